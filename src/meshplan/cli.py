@@ -1,0 +1,117 @@
+"""The `meshplan` command: thin entry points over the library; user errors exit non-zero."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from meshplan.cluster.mesh import LogicalMesh, parse_bytes, parse_floats, parse_mesh_shape
+from meshplan.cost.model import CostModel
+from meshplan.errors import MeshplanError
+from meshplan.files import write_json_atomic
+from meshplan.intra.options import IntraOptions
+from meshplan.intra.solve import build_intra_problem, solve_intra
+from meshplan.models.registry import forward_graph
+from meshplan.report.intra_text import print_intra_plan
+from meshplan.sharding.strategy import StrategySpace
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Plan data, tensor and pipeline parallelism for deep-learning training.")
+err = Console(stderr=True)
+
+
+@app.callback()
+def root() -> None:
+    """Plan data, tensor and pipeline parallelism for deep-learning training."""
+
+
+def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Print a MeshplanError as one message and exit 2, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except MeshplanError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return run
+
+
+@app.command()
+@user_errors
+def intra(
+    model: Annotated[str, typer.Option(help="Model preset, e.g. llama2-13b.")] = "llama2-13b",
+    mesh: Annotated[str, typer.Option(help="Logical mesh shape, e.g. 50x4.")] = "50x4",
+    mesh_alpha: Annotated[str, typer.Option(help="Latency per mesh axis, comma separated.")] = "1,1",
+    mesh_beta: Annotated[str, typer.Option(help="Cost per byte per mesh axis, comma separated.")] = "1,0.01",
+    memory: Annotated[str, typer.Option(help="Memory per device, e.g. 32GB; 'none' for unlimited.")] = "32GB",
+    batch: Annotated[int, typer.Option(help="Batch size.")] = 200,
+    seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 4096,
+    layers: Annotated[int, typer.Option(help="Number of layers (0: the preset's).")] = 0,
+    solver: Annotated[str, typer.Option(help="ILP backend: highs or cbc.")] = "highs",
+    time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 60.0,
+    share_layers: Annotated[bool, typer.Option(help="Repeated layers share one choice.")] = True,
+    compare_sharing: Annotated[bool, typer.Option(help="Also solve unshared and report the difference.")] = False,
+    space: Annotated[str, typer.Option(help="Strategy space: full or alpa.")] = "full",
+    flops: Annotated[float, typer.Option(help="Device FLOP/s in the cost unit; 0 switches compute off.")] = 0.0,
+    force_replicated_output: Annotated[bool, typer.Option(help="The output must be replicated.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    out: Annotated[str, typer.Option(help="Also write the JSON plan to this file.")] = "",
+    dump_lp: Annotated[str, typer.Option(help="Write the ILP in LP format to this file.")] = "",
+) -> None:
+    """Solve the intra-operator (sharding) ILP of a model's forward graph on one logical mesh."""
+    logical = _mesh(mesh, mesh_alpha, mesh_beta, memory)
+    graph = forward_graph(model, batch, seq_len, layers or None, force_replicated_output)
+    options = IntraOptions(
+        cost=CostModel(flops_per_second=flops or None), space=_space(space), solver=solver,
+        time_limit=time_limit, share_layers=share_layers)
+    if dump_lp:
+        from meshplan.files import write_text_atomic
+
+        write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
+    plan = solve_intra(graph, logical, options)
+    data = plan.to_dict()
+    extra = []
+    if compare_sharing:
+        other = solve_intra(graph, logical, options.replace(share_layers=not share_layers))
+        shared, unshared = (plan, other) if share_layers else (other, plan)
+        data["sharing"] = {"shared_objective": shared.objective, "unshared_objective": unshared.objective,
+                           "difference": shared.objective - unshared.objective,
+                           "shared_solve_s": shared.solve.wall_s, "unshared_solve_s": unshared.solve.wall_s}
+        extra.append(f"layer sharing: shared {shared.objective:,.4f} vs unshared {unshared.objective:,.4f} "
+                     f"(difference {shared.objective - unshared.objective:,.4f})")
+    if out:
+        write_json_atomic(out, data)
+    if json_out:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        print_intra_plan(plan, Console(), extra)
+
+
+def _mesh(shape: str, alpha: str, beta: str, memory: str) -> LogicalMesh:
+    budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
+    return LogicalMesh(parse_mesh_shape(shape), parse_floats(alpha, "--mesh-alpha"),
+                       parse_floats(beta, "--mesh-beta"), budget)
+
+
+def _space(name: str) -> StrategySpace:
+    try:
+        return StrategySpace(name.lower())
+    except ValueError:
+        raise MeshplanError(f"unknown strategy space {name!r}; use full or alpa") from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

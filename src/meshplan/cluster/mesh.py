@@ -1,0 +1,108 @@
+"""LogicalMesh: a view of devices as an N-D grid with a latency/bandwidth per axis."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalMesh:
+    """Devices arranged as a grid; collectives along axis d cost alpha[d] + beta[d] * bytes.
+
+    Attributes:
+        shape: devices along each axis, e.g. (50, 4).
+        alpha: latency per collective along each axis (seconds, or cost units).
+        beta: time per byte along each axis (seconds/byte, or cost units).
+        memory_per_device: bytes each device holds; None means unlimited.
+        device_ids: flat device ids in row-major grid order.
+    """
+
+    shape: tuple[int, ...]
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    memory_per_device: float | None = None
+    device_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
+        object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
+        if not shape or any(s < 1 for s in shape):
+            raise MeshError(f"mesh shape {shape} is invalid; every axis needs at least one device")
+        for what, values in (("alpha", self.alpha), ("beta", self.beta)):
+            if len(values) != len(shape):
+                raise MeshError(
+                    f"mesh {self.name}: {len(values)} {what} values for {len(shape)} axes; "
+                    f"give one per axis, e.g. --mesh-{what} {','.join(['1'] * len(shape))}"
+                )
+            if any(v < 0 or not math.isfinite(v) for v in values):
+                raise MeshError(f"mesh {self.name}: {what} values {values} must be finite and >= 0")
+        if not self.device_ids:
+            object.__setattr__(self, "device_ids", tuple(range(math.prod(shape))))
+        elif len(self.device_ids) != math.prod(shape):
+            raise MeshError(f"mesh {self.name} needs {math.prod(shape)} device ids, got {len(self.device_ids)}")
+        if self.memory_per_device is not None and self.memory_per_device <= 0:
+            raise MeshError(f"mesh {self.name}: memory per device must be positive, got {self.memory_per_device}")
+
+    @property
+    def name(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_size(self, axes: Sequence[int]) -> int:
+        """Devices in the group spanned by `axes`."""
+        return math.prod(self.shape[a] for a in axes)
+
+    def with_memory(self, memory_per_device: float | None) -> LogicalMesh:
+        return LogicalMesh(self.shape, self.alpha, self.beta, memory_per_device, self.device_ids)
+
+
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """Parse "50x4" (or "50,4", "8") into a shape tuple."""
+    parts = re.split(r"[x,×*]", text.strip().lower())
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise MeshError(f"mesh {text!r} is not a shape; write axis sizes like 50x4 or 8") from None
+    if any(s < 1 for s in shape):
+        raise MeshError(f"mesh {text!r}: every axis needs at least one device")
+    return shape
+
+
+def parse_floats(text: str, what: str) -> tuple[float, ...]:
+    """Parse "1,0.01" into floats."""
+    try:
+        return tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise MeshError(f"{what} {text!r} is not a list of numbers; write e.g. 1,0.01") from None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """Parse a size like "32GB", "16 GiB", "1e9" into bytes (GB = 1e9, GiB = 2**30)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise MeshError(f"memory size {text!r} is not understood; write e.g. 32GB, 16GiB or 4e9")
+    try:
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    except ValueError:
+        raise MeshError(f"memory size {text!r} is not understood; write e.g. 32GB, 16GiB or 4e9") from None
+    if value <= 0:
+        raise MeshError(f"memory size {text!r} must be positive")
+    return value

@@ -1,0 +1,55 @@
+"""CostModel: how strategies are priced (collectives, compute, resharding rule)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from meshplan.cost.collectives import CollectiveCosts, CollectiveKind
+
+
+class ReshardingRule(enum.Enum):
+    """How a change of sharding is priced.
+
+    EXACT: axes that move to another dim cost an all-to-all of the local shard, axes that are
+    dropped cost an all-gather of the resulting shard, new splits are free slicing.
+    ALPA: Alpa's playground rule: one all-gather of the full tensor per mesh axis whose split
+    changes (moves are not all-to-alls); used to reproduce its published objectives.
+    """
+
+    EXACT = "exact"
+    ALPA = "alpa"
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Prices communication and compute of strategies on one logical mesh.
+
+    Attributes:
+        collectives: the collective cost formulas (alpha-beta per mesh axis).
+        flops_per_second: sustained FLOP/s of one device; None switches compute cost off
+            (Alpa's setting: then every device must take part in every contraction, or
+            replication would look free).
+        resharding: how changes of sharding between producer and consumer are priced.
+    """
+
+    collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
+    flops_per_second: float | None = None
+    resharding: ReshardingRule = ReshardingRule.EXACT
+
+    @property
+    def compute_on(self) -> bool:
+        return self.flops_per_second is not None
+
+    def compute_cost(self, flops: float) -> float:
+        return flops / self.flops_per_second if self.flops_per_second else 0.0
+
+    @staticmethod
+    def alpa_unit(forced: dict[CollectiveKind, float] | None = None) -> CostModel:
+        """Alpa's playground cost units: truncated alpha-beta terms, tie constants, compute off."""
+        return CostModel(
+            CollectiveCosts(truncate=True, tie_constants=True, alpa_all_to_all=True,
+                            forced=tuple(sorted((forced or {}).items(), key=lambda kv: kv[0].value))),
+            flops_per_second=None,
+            resharding=ReshardingRule.ALPA,
+        )

@@ -1,0 +1,129 @@
+"""solve_intra: Graph + LogicalMesh -> IntraPlan (strategies, ILP, solver, decoding)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
+from meshplan.intra.ilp import VariableMap, build_ilp
+from meshplan.intra.layers import shared_groups
+from meshplan.intra.options import IntraOptions
+from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
+from meshplan.intra.program import LinearProgram
+from meshplan.intra.solvers import SolveStatus, solve_program
+from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
+from meshplan.ir.graph import Graph, check_graph
+from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
+from meshplan.sharding.spec import ShardingSpec
+
+
+def build_intra_problem(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None
+                        ) -> tuple[StrategyGraph, LinearProgram, VariableMap, tuple[str, ...]]:
+    """Enumerate strategies, merge followers and build the ILP (no solving)."""
+    options = options or IntraOptions()
+    check_graph(graph)
+    check_mesh_fits(graph, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnsupportedOpWarning)
+        nodes = enumerate_strategies(graph, mesh, options.cost, options.rules)
+    unsupported = tuple(sorted({graph[n.node].op for n in nodes if n.fallback}))
+    for w in caught:
+        warnings.warn(w.message, w.category, stacklevel=3)
+    sg = build_strategy_graph(graph, mesh, options.cost, nodes)
+    canon = shared_groups(sg) if options.share_layers else None
+    lp, vm = build_ilp(sg, budget_of(mesh, options), canon)
+    return sg, lp, vm, unsupported
+
+
+def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None) -> IntraPlan:
+    """Choose one sharding strategy per node minimizing compute + communication + resharding.
+
+    Args:
+        graph: the operator graph of one stage.
+        mesh: the logical mesh it runs on (its memory_per_device is the default budget).
+        options: cost model, strategy space, memory budget, solver, layer sharing, ...
+
+    Returns:
+        The plan: chosen strategies, objective and breakdown, peak memory, solver result.
+
+    Raises:
+        InfeasiblePlanError: no plan fits the memory budget (the message gives the smallest
+            budget that would work) or the forced shardings contradict each other.
+    """
+    options = options or IntraOptions()
+    start = time.perf_counter()
+    sg, lp, vm, unsupported = build_intra_problem(graph, mesh, options)
+    build_s = time.perf_counter() - start
+    result = solve_program(lp, options.solver, options.time_limit, options.mip_gap)
+    budget = budget_of(mesh, options)
+    if result.status is SolveStatus.INFEASIBLE:
+        raise _infeasible(sg, graph, mesh, budget, options)
+    if not result.has_solution:
+        raise SolverError(
+            f"{options.solver} found no plan for {graph.name!r} on mesh {mesh.name} within "
+            f"{options.time_limit:g} s; raise the time limit or share repeated layers (share_layers=True)")
+    group_choice = {g: vm.choice(g, result.values) for g in sg.groups}
+    return _plan(sg, group_choice, result, options, budget, build_s, unsupported, lp)
+
+
+def budget_of(mesh: LogicalMesh, options: IntraOptions) -> float | None:
+    return options.memory_budget if options.memory_budget is not None else mesh.memory_per_device
+
+
+def check_mesh_fits(graph: Graph, mesh: LogicalMesh) -> None:
+    """Raise MeshError when a mesh axis is larger than every tensor dim of the graph."""
+    largest = max((d for n in graph.nodes for d in n.shape), default=0)
+    for axis, size in enumerate(mesh.shape):
+        if size > 1 and size > largest:
+            raise MeshError(
+                f"mesh axis {axis} has {size} devices but the largest tensor dim of graph "
+                f"{graph.name!r} is {largest}: nothing can be split over it. Use a smaller mesh axis "
+                f"or a larger batch.")
+
+
+def _infeasible(sg: StrategyGraph, graph: Graph, mesh: LogicalMesh, budget: float | None,
+                options: IntraOptions) -> InfeasiblePlanError:
+    if budget is None:
+        return InfeasiblePlanError(
+            f"no plan of {graph.name!r} on mesh {mesh.name} satisfies the alias and forced-sharding "
+            "constraints; check the aliases (parameter and update must be able to share a layout)")
+    lp, _ = build_ilp(sg, None, shared_groups(sg) if options.share_layers else None, minimize_memory=True)
+    result = solve_program(lp, options.solver, options.time_limit, 1e-4)
+    need = result.objective if result.has_solution else None
+    text = (f"graph {graph.name!r} needs at least {_gb(need)} per device on mesh {mesh.name}"
+            if need is not None else f"graph {graph.name!r} does not fit on mesh {mesh.name}")
+    return InfeasiblePlanError(
+        f"{text}, but the budget is {_gb(budget)}. Use more devices, a smaller batch, or raise "
+        "the memory budget.", min_budget_bytes=need)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e7 else f"{nbytes:.0f} bytes"
+
+
+def _plan(sg: StrategyGraph, group_choice: dict[int, int], result, options: IntraOptions,
+          budget: float | None, build_s: float, unsupported: tuple[str, ...], lp: LinearProgram) -> IntraPlan:
+    graph = sg.graph
+    choice = sg.node_choices(group_choice)
+    chosen, reshardings = [], []
+    for node in graph.nodes:
+        s = sg.nodes[node.id].strategies[choice[node.id]]
+        chosen.append(ChosenStrategy(node.id, node.label, node.op, node.layer, s.name, s.output, s.operands,
+                                     s.collectives, s.memory))
+        for operand, required in zip(node.operands, s.operands, strict=True):
+            produced = sg.nodes[operand].strategies[choice[operand]].output
+            collectives = sg.reshard(operand, produced, required)
+            if collectives:
+                reshardings.append(Resharding(graph[operand].label, node.label, produced, required, collectives))
+    for node_id in graph.force_replicated:
+        produced = chosen[node_id].output
+        collectives = sg.reshard(node_id, produced, ShardingSpec.replicated(produced.rank))
+        if collectives:
+            reshardings.append(Resharding(graph[node_id].label, "<replicated output>", produced,
+                                          ShardingSpec.replicated(produced.rank), collectives))
+    breakdown = sg.evaluate(group_choice)
+    return IntraPlan(graph.name, sg.mesh, tuple(chosen), breakdown.total, breakdown, sg.peak_memory(group_choice),
+                     budget, result, tuple(reshardings), options.share_layers, len(sg.groups), lp.num_vars,
+                     len(lp.rows), build_s, unsupported)

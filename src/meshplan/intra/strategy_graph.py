@@ -1,0 +1,209 @@
+"""StrategyGraph: node strategies with followers merged into their leaders' decisions.
+
+Input: a Graph and the strategies of its nodes. Output: decision groups (one choice each),
+their cost vectors, pairwise resharding cost matrices between groups, memory per node per
+choice, live sets and alias pairs: all the numbers the ILP needs, and an exact evaluator of
+any assignment, used to report plans and as the brute-force oracle in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.collectives import Collective
+from meshplan.cost.model import CostModel
+from meshplan.ir.graph import Graph
+from meshplan.sharding.resharding import resharding_collectives
+from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import NodeStrategies
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """An objective split by term."""
+
+    compute: float = 0.0
+    communication: float = 0.0
+    resharding: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.resharding
+
+
+@dataclass(slots=True)
+class StrategyGraph:
+    """Decision groups over a graph.
+
+    Attributes:
+        graph, mesh, model: what was planned, on what, priced how.
+        nodes: per node id, its strategies.
+        leader: per node id, the node whose choice it shares (itself for free choices).
+        groups: leader ids, in graph order.
+        compute, communication, resharding: per group, cost vectors over its choices
+            (followers' own costs and the resharding into them are folded in).
+        edges: (leader a, leader b) -> matrix [choice of a, choice of b] of resharding costs.
+        live_sets: per program point, the node ids whose values are held.
+        aliases: (leader of parameter, leader of update, spec-equality matrix) triples.
+        forbidden: per group, choices excluded (an alias inside one group that cannot hold).
+    """
+
+    graph: Graph
+    mesh: LogicalMesh
+    model: CostModel
+    nodes: tuple[NodeStrategies, ...]
+    leader: tuple[int, ...]
+    groups: tuple[int, ...]
+    compute: dict[int, np.ndarray] = field(default_factory=dict)
+    communication: dict[int, np.ndarray] = field(default_factory=dict)
+    resharding: dict[int, np.ndarray] = field(default_factory=dict)
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    live_sets: tuple[frozenset[int], ...] = ()
+    aliases: tuple[tuple[int, int, np.ndarray], ...] = ()
+    forbidden: dict[int, set[int]] = field(default_factory=dict)
+    _reshard_cache: dict = field(default_factory=dict)
+
+    def size(self, group: int) -> int:
+        return len(self.nodes[group].strategies)
+
+    def members(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {g: [] for g in self.groups}
+        for node_id, lead in enumerate(self.leader):
+            out[lead].append(node_id)
+        return out
+
+    def memory(self, node_id: int) -> np.ndarray:
+        """Bytes of the node's local output shard under each choice of its group."""
+        return np.array([s.memory for s in self.nodes[node_id].strategies])
+
+    def reshard(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> tuple[Collective, ...]:
+        node = self.graph[producer]
+        key = (node.shape, node.dtype.itemsize, src, dst)
+        if key not in self._reshard_cache:
+            self._reshard_cache[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst,
+                                                              self.mesh, self.model)
+        return self._reshard_cache[key]
+
+    def reshard_cost(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> float:
+        return sum(c.cost for c in self.reshard(producer, src, dst))
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def node_choices(self, group_choice: dict[int, int]) -> list[int]:
+        """Per node, the index of its strategy when each group takes `group_choice[g]`."""
+        return [group_choice[self.leader[v]] for v in range(len(self.graph))]
+
+    def evaluate(self, group_choice: dict[int, int]) -> Breakdown:
+        """Exact cost of an assignment, summed node by node from the strategies themselves."""
+        choice = self.node_choices(group_choice)
+        compute = communication = resharding = 0.0
+        for node in self.graph.nodes:
+            strategy = self.nodes[node.id].strategies[choice[node.id]]
+            compute += strategy.compute
+            communication += strategy.communication
+            for operand, required in zip(node.operands, strategy.operands, strict=True):
+                produced = self.nodes[operand].strategies[choice[operand]].output
+                resharding += self.reshard_cost(operand, produced, required)
+        for node_id in self.graph.force_replicated:
+            produced = self.nodes[node_id].strategies[choice[node_id]].output
+            resharding += self.reshard_cost(node_id, produced, ShardingSpec.replicated(produced.rank))
+        return Breakdown(compute, communication, resharding)
+
+    def peak_memory(self, group_choice: dict[int, int]) -> float:
+        choice = self.node_choices(group_choice)
+        mems = [self.nodes[v].strategies[choice[v]].memory for v in range(len(self.graph))]
+        return max((sum(mems[v] for v in live) for live in self.live_sets), default=0.0)
+
+    def is_feasible(self, group_choice: dict[int, int], budget: float | None) -> bool:
+        if any(group_choice[g] in bad for g, bad in self.forbidden.items()):
+            return False
+        for a, b, equal in self.aliases:
+            if not equal[group_choice[a], group_choice[b]]:
+                return False
+        return budget is None or self.peak_memory(group_choice) <= budget * (1 + 1e-9)
+
+
+def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
+                         nodes: tuple[NodeStrategies, ...]) -> StrategyGraph:
+    """Merge followers into leaders and collect the costs the ILP needs."""
+    leader: list[int] = []
+    for ns in nodes:
+        node = graph[ns.node]
+        leader.append(ns.node if ns.follows is None else leader[node.operands[ns.follows]])
+    groups = tuple(dict.fromkeys(leader))
+    sg = StrategyGraph(graph, mesh, model, nodes, tuple(leader), groups)
+    for g in groups:
+        n = sg.size(g)
+        sg.compute[g], sg.communication[g], sg.resharding[g] = np.zeros(n), np.zeros(n), np.zeros(n)
+    for node in graph.nodes:
+        _add_node_costs(sg, node.id)
+    for node_id in graph.force_replicated:
+        g = leader[node_id]
+        for i, s in enumerate(nodes[node_id].strategies):
+            sg.resharding[g][i] += sg.reshard_cost(node_id, s.output, ShardingSpec.replicated(s.output.rank))
+    sg.live_sets = live_sets(graph)
+    _add_aliases(sg)
+    return sg
+
+
+def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:
+    node, ns = sg.graph[node_id], sg.nodes[node_id]
+    g = sg.leader[node_id]
+    sg.compute[g] += [s.compute for s in ns.strategies]
+    sg.communication[g] += [s.communication for s in ns.strategies]
+    for position, operand in enumerate(node.operands):
+        h = sg.leader[operand]
+        produced = [s.output for s in sg.nodes[operand].strategies]
+        required = [s.operands[position] for s in ns.strategies]
+        if h == g:  # same decision: strategy i meets strategy i
+            sg.resharding[g] += [sg.reshard_cost(operand, produced[i], required[i]) for i in range(len(required))]
+            continue
+        matrix = np.array([[sg.reshard_cost(operand, p, r) for r in required] for p in produced])
+        key, matrix = ((h, g), matrix) if h < g else ((g, h), matrix.T)
+        sg.edges[key] = sg.edges[key] + matrix if key in sg.edges else matrix
+
+
+def _add_aliases(sg: StrategyGraph) -> None:
+    aliases = []
+    for param, updated in sg.graph.aliases:
+        a, b = sg.leader[param], sg.leader[updated]
+        p_specs = [s.output for s in sg.nodes[param].strategies]
+        u_specs = [s.output for s in sg.nodes[updated].strategies]
+        if a == b:
+            bad = {i for i in range(len(p_specs)) if p_specs[i] != u_specs[i]}
+            if bad:
+                sg.forbidden.setdefault(a, set()).update(bad)
+            continue
+        equal = np.array([[p == u for u in u_specs] for p in p_specs], dtype=bool)
+        aliases.append((a, b, equal))
+    sg.aliases = tuple(aliases)
+
+
+def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
+    """Per program point t, the values held while node t runs.
+
+    A value lives from its definition to its last use; parameters from the start (they are
+    inputs) and outputs to the end.
+    """
+    n = len(graph)
+    last_use = list(range(n))
+    for node in graph.nodes:
+        for operand in node.operands:
+            last_use[operand] = max(last_use[operand], node.id)
+    for out in graph.outputs:
+        last_use[out] = n - 1
+    first = [0 if node.kind.value == "parameter" else node.id for node in graph.nodes]
+    starts: list[list[int]] = [[] for _ in range(n)]
+    ends: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        starts[first[v]].append(v)
+        ends[last_use[v]].append(v)
+    sets, live = [], set()
+    for t in range(n):
+        live.update(starts[t])
+        sets.append(frozenset(live))
+        live.difference_update(ends[t])
+    return tuple(sets)

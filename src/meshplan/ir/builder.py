@@ -1,0 +1,307 @@
+"""GraphBuilder: build graphs by hand, with shapes inferred and checked at every call."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from meshplan.errors import GraphError
+from meshplan.ir.dtypes import DType, as_dtype
+from meshplan.ir.graph import Graph, check_graph
+from meshplan.ir.node import Node, OpKind, freeze_attrs
+
+UNARY_OPS = frozenset({
+    "neg", "exp", "log", "rsqrt", "sqrt", "tanh", "logistic", "abs", "sign", "erf", "sin",
+    "cos", "copy", "floor", "ceil", "not", "square", "log1p", "expm1",
+})
+BINARY_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "and", "or", "rem"})
+COMPARE_DIRECTIONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+REDUCE_KINDS = frozenset({"sum", "max", "min", "prod"})
+
+
+class GraphBuilder:
+    """Builds a Graph one operator at a time; every method returns the new node's id.
+
+    Example:
+        b = GraphBuilder("mlp")
+        x = b.parameter((1024, 128), name="x")
+        w = b.parameter((128, 128), name="w")
+        y = b.dot(x, w, (1,), (0,))
+        b.outputs(y)
+        graph = b.build()
+    """
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self._nodes: list[Node] = []
+        self._outputs: list[int] = []
+        self._aliases: list[tuple[int, int]] = []
+        self._force_replicated: list[int] = []
+        self._layer: int | None = None
+        self._source = ""
+
+    # -- context ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def layer(self, index: int, source: str = "") -> Iterator[None]:
+        """Tag the nodes built inside the block as belonging to repeated layer `index`."""
+        saved = self._layer, self._source
+        self._layer, self._source = index, source or f"layer{index}"
+        try:
+            yield
+        finally:
+            self._layer, self._source = saved
+
+    # -- leaves ------------------------------------------------------------------------------
+
+    def parameter(self, shape: Sequence[int], dtype: DType | str = DType.F32, name: str = "") -> int:
+        return self._add(OpKind.PARAMETER, (), shape, dtype, {}, name)
+
+    def constant(self, shape: Sequence[int] = (), dtype: DType | str = DType.F32,
+                 value: float | None = None, name: str = "") -> int:
+        return self._add(OpKind.CONSTANT, (), shape, dtype, {"value": value}, name)
+
+    def iota(self, shape: Sequence[int], dim: int, dtype: DType | str = DType.I32, name: str = "") -> int:
+        self._check_dims("iota", (dim,), len(shape))
+        return self._add(OpKind.IOTA, (), shape, dtype, {"dim": dim}, name)
+
+    # -- contraction -------------------------------------------------------------------------
+
+    def dot(self, lhs: int, rhs: int, lhs_contracting: Sequence[int], rhs_contracting: Sequence[int],
+            lhs_batch: Sequence[int] = (), rhs_batch: Sequence[int] = (), name: str = "",
+            dtype: DType | str | None = None) -> int:
+        """A dot_general; output dims are batch dims, then lhs free dims, then rhs free dims."""
+        a, b = self._node(lhs), self._node(rhs)
+        lc, rc, lb, rb = map(tuple, (lhs_contracting, rhs_contracting, lhs_batch, rhs_batch))
+        self._check_dims("dot lhs", lc + lb, a.rank)
+        self._check_dims("dot rhs", rc + rb, b.rank)
+        if len(lc) != len(rc) or len(lb) != len(rb):
+            raise GraphError(
+                f"dot {name or ''}: {len(lc)} lhs vs {len(rc)} rhs contracting dims and "
+                f"{len(lb)} vs {len(rb)} batch dims; pass the same number on both sides"
+            )
+        for what, ldims, rdims in (("contracting", lc, rc), ("batch", lb, rb)):
+            for ld, rd in zip(ldims, rdims, strict=True):
+                if a.shape[ld] != b.shape[rd]:
+                    raise GraphError(
+                        f"dot {name or ''}: {what} dim {ld} of {a.label} {a.shape} has size "
+                        f"{a.shape[ld]} but dim {rd} of {b.label} {b.shape} has size {b.shape[rd]}"
+                    )
+        lfree = [d for d in range(a.rank) if d not in lc + lb]
+        rfree = [d for d in range(b.rank) if d not in rc + rb]
+        shape = [a.shape[d] for d in lb] + [a.shape[d] for d in lfree] + [b.shape[d] for d in rfree]
+        attrs = {"lhs_contracting": lc, "rhs_contracting": rc, "lhs_batch": lb, "rhs_batch": rb}
+        return self._add(OpKind.DOT, (lhs, rhs), shape, dtype or a.dtype, attrs, name)
+
+    def matmul(self, lhs: int, rhs: int, name: str = "") -> int:
+        """lhs[..., k] @ rhs[k, n]: contract the last lhs dim with the first rhs dim."""
+        return self.dot(lhs, rhs, (self._node(lhs).rank - 1,), (0,), name=name)
+
+    # -- elementwise -------------------------------------------------------------------------
+
+    def unary(self, op: str, x: int, name: str = "") -> int:
+        if op not in UNARY_OPS:
+            raise GraphError(f"unknown unary op {op!r}; use one of {sorted(UNARY_OPS)}")
+        node = self._node(x)
+        return self._add(OpKind.ELEMENTWISE, (x,), node.shape, node.dtype, {"op": op}, name)
+
+    def binary(self, op: str, x: int, y: int, name: str = "") -> int:
+        if op not in BINARY_OPS:
+            raise GraphError(f"unknown binary op {op!r}; use one of {sorted(BINARY_OPS)}")
+        shape = self._same_shape(op, (x, y))
+        return self._add(OpKind.ELEMENTWISE, (x, y), shape, self._node(x).dtype, {"op": op}, name)
+
+    def compare(self, x: int, y: int, direction: str = "lt", name: str = "") -> int:
+        if direction not in COMPARE_DIRECTIONS:
+            raise GraphError(f"unknown compare direction {direction!r}; use one of {sorted(COMPARE_DIRECTIONS)}")
+        shape = self._same_shape("compare", (x, y))
+        return self._add(OpKind.ELEMENTWISE, (x, y), shape, DType.PRED,
+                         {"op": "compare", "direction": direction}, name)
+
+    def select(self, pred: int, on_true: int, on_false: int, name: str = "") -> int:
+        shape = self._same_shape("select", (pred, on_true, on_false))
+        return self._add(OpKind.ELEMENTWISE, (pred, on_true, on_false), shape,
+                         self._node(on_true).dtype, {"op": "select"}, name)
+
+    def convert(self, x: int, dtype: DType | str, name: str = "") -> int:
+        node = self._node(x)
+        return self._add(OpKind.ELEMENTWISE, (x,), node.shape, dtype, {"op": "convert"}, name)
+
+    def add(self, x: int, y: int, name: str = "") -> int:
+        return self.binary("add", x, y, name)
+
+    def sub(self, x: int, y: int, name: str = "") -> int:
+        return self.binary("sub", x, y, name)
+
+    def mul(self, x: int, y: int, name: str = "") -> int:
+        return self.binary("mul", x, y, name)
+
+    def div(self, x: int, y: int, name: str = "") -> int:
+        return self.binary("div", x, y, name)
+
+    def max(self, x: int, y: int, name: str = "") -> int:
+        return self.binary("max", x, y, name)
+
+    def exp(self, x: int, name: str = "") -> int:
+        return self.unary("exp", x, name)
+
+    def neg(self, x: int, name: str = "") -> int:
+        return self.unary("neg", x, name)
+
+    def rsqrt(self, x: int, name: str = "") -> int:
+        return self.unary("rsqrt", x, name)
+
+    def tanh(self, x: int, name: str = "") -> int:
+        return self.unary("tanh", x, name)
+
+    def logistic(self, x: int, name: str = "") -> int:
+        return self.unary("logistic", x, name)
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def broadcast(self, x: int, shape: Sequence[int], dims: Sequence[int], name: str = "") -> int:
+        """Broadcast in dim: operand dim i becomes output dim dims[i]; other dims are new."""
+        node, shape, dims = self._node(x), tuple(shape), tuple(dims)
+        if len(dims) != node.rank:
+            raise GraphError(f"broadcast of {node.label} {node.shape}: {len(dims)} dims given for rank {node.rank}")
+        self._check_dims("broadcast", dims, len(shape))
+        if list(dims) != sorted(dims):
+            raise GraphError(f"broadcast of {node.label}: dims {dims} must be increasing")
+        for i, d in enumerate(dims):
+            if node.shape[i] not in (1, shape[d]):
+                raise GraphError(
+                    f"broadcast of {node.label} {node.shape} to {shape}: operand dim {i} "
+                    f"(size {node.shape[i]}) cannot become output dim {d} (size {shape[d]})"
+                )
+        return self._add(OpKind.BROADCAST, (x,), shape, node.dtype, {"dims": dims}, name)
+
+    def reshape(self, x: int, shape: Sequence[int], name: str = "") -> int:
+        node = self._node(x)
+        if math.prod(shape) != node.size:
+            raise GraphError(
+                f"reshape of {node.label} {node.shape} ({node.size} elements) to {tuple(shape)} "
+                f"({math.prod(shape)} elements): element counts must match"
+            )
+        return self._add(OpKind.RESHAPE, (x,), shape, node.dtype, {}, name)
+
+    def transpose(self, x: int, perm: Sequence[int], name: str = "") -> int:
+        node, perm = self._node(x), tuple(perm)
+        if sorted(perm) != list(range(node.rank)):
+            raise GraphError(f"transpose of {node.label} {node.shape}: {perm} is not a permutation of its dims")
+        shape = tuple(node.shape[p] for p in perm)
+        return self._add(OpKind.TRANSPOSE, (x,), shape, node.dtype, {"perm": perm}, name)
+
+    def reduce(self, x: int, dims: Sequence[int], kind: str = "sum", name: str = "") -> int:
+        node, dims = self._node(x), tuple(sorted(dims))
+        if kind not in REDUCE_KINDS:
+            raise GraphError(f"unknown reduce kind {kind!r}; use one of {sorted(REDUCE_KINDS)}")
+        self._check_dims("reduce", dims, node.rank)
+        shape = tuple(s for d, s in enumerate(node.shape) if d not in dims)
+        return self._add(OpKind.REDUCE, (x,), shape, node.dtype, {"dims": dims, "op": kind}, name)
+
+    def slice(self, x: int, start: Sequence[int], limit: Sequence[int], name: str = "") -> int:
+        node = self._node(x)
+        if len(start) != node.rank or len(limit) != node.rank:
+            raise GraphError(f"slice of {node.label} {node.shape}: start/limit need {node.rank} entries")
+        for d, (s, e) in enumerate(zip(start, limit, strict=True)):
+            if not 0 <= s <= e <= node.shape[d]:
+                raise GraphError(f"slice of {node.label} {node.shape}: dim {d} range [{s}, {e}) is out of bounds")
+        shape = tuple(e - s for s, e in zip(start, limit, strict=True))
+        return self._add(OpKind.SLICE, (x,), shape, node.dtype, {"start": tuple(start), "limit": tuple(limit)}, name)
+
+    def concatenate(self, xs: Sequence[int], dim: int, name: str = "") -> int:
+        nodes = [self._node(x) for x in xs]
+        if not nodes:
+            raise GraphError("concatenate needs at least one operand")
+        self._check_dims("concatenate", (dim,), nodes[0].rank)
+        for n in nodes[1:]:
+            if n.rank != nodes[0].rank or any(
+                a != b for d, (a, b) in enumerate(zip(n.shape, nodes[0].shape, strict=True)) if d != dim
+            ):
+                raise GraphError(f"concatenate on dim {dim}: {n.label} {n.shape} does not match {nodes[0].shape}")
+        shape = list(nodes[0].shape)
+        shape[dim] = sum(n.shape[dim] for n in nodes)
+        return self._add(OpKind.CONCATENATE, tuple(xs), shape, nodes[0].dtype, {"dim": dim}, name)
+
+    def gather(self, table: int, indices: int, name: str = "") -> int:
+        """Embedding lookup: rows of `table` [V, ...] picked by integer `indices` [...]."""
+        t, i = self._node(table), self._node(indices)
+        shape = i.shape + t.shape[1:]
+        return self._add(OpKind.GATHER, (table, indices), shape, t.dtype, {}, name)
+
+    def opaque(self, operands: Sequence[int], shape: Sequence[int], dtype: DType | str,
+               op: str, name: str = "") -> int:
+        """An operator meshplan has no rule for; it is planned replicated."""
+        for x in operands:
+            self._node(x)
+        return self._add(OpKind.OPAQUE, tuple(operands), shape, dtype, {"op": op}, name)
+
+    # -- graph-level -------------------------------------------------------------------------
+
+    def outputs(self, *ids: int, force_replicated: bool = False) -> None:
+        """Mark results; `force_replicated` pins them replicated (Alpa's ForceReplicated)."""
+        for x in ids:
+            self._node(x)
+            self._outputs.append(x)
+            if force_replicated:
+                self._force_replicated.append(x)
+
+    def force_replicated(self, *ids: int) -> None:
+        for x in ids:
+            self._node(x)
+            self._force_replicated.append(x)
+
+    def alias(self, param: int, updated: int) -> None:
+        """`updated` overwrites parameter `param` in place (a training step's new weight)."""
+        p, u = self._node(param), self._node(updated)
+        if p.kind is not OpKind.PARAMETER:
+            raise GraphError(f"alias: {p.label} is a {p.kind.value}; only parameters can be aliased")
+        if p.shape != u.shape:
+            raise GraphError(f"alias {p.label} {p.shape} -> {u.label} {u.shape}: shapes must be equal")
+        self._aliases.append((param, updated))
+
+    def shape(self, x: int) -> tuple[int, ...]:
+        return self._node(x).shape
+
+    def build(self) -> Graph:
+        graph = Graph(tuple(self._nodes), tuple(self._outputs), tuple(self._aliases),
+                      tuple(dict.fromkeys(self._force_replicated)), self.name)
+        check_graph(graph)
+        return graph
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _node(self, x: int) -> Node:
+        if not isinstance(x, int) or not 0 <= x < len(self._nodes):
+            raise GraphError(f"{x!r} is not a node id of graph {self.name!r}; pass ids returned by the builder")
+        return self._nodes[x]
+
+    def _same_shape(self, op: str, ids: Sequence[int]) -> tuple[int, ...]:
+        nodes = [self._node(i) for i in ids]
+        for n in nodes[1:]:
+            if n.shape != nodes[0].shape:
+                raise GraphError(
+                    f"{op}: operand shapes differ ({nodes[0].label} {nodes[0].shape} vs {n.label} "
+                    f"{n.shape}); broadcast explicitly first"
+                )
+        return nodes[0].shape
+
+    @staticmethod
+    def _check_dims(what: str, dims: Sequence[int], rank: int) -> None:
+        for d in dims:
+            if not 0 <= d < rank:
+                raise GraphError(f"{what}: dim {d} is out of range for rank {rank}")
+        if len(set(dims)) != len(dims):
+            raise GraphError(f"{what}: dims {tuple(dims)} repeat")
+
+    def _add(self, kind: OpKind, operands: tuple[int, ...], shape: Sequence[int],
+             dtype: DType | str, attrs: dict[str, Any], name: str) -> int:
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise GraphError(f"{kind.value} {name}: negative dimension in {shape}")
+        node_id = len(self._nodes)
+        self._nodes.append(Node(node_id, kind, operands, shape, as_dtype(dtype), freeze_attrs(attrs),
+                                name, self._source, self._layer))
+        return node_id

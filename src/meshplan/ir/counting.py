@@ -1,0 +1,45 @@
+"""FLOPs and memory traffic of one node (forward only, no fusion assumed)."""
+
+from __future__ import annotations
+
+import math
+
+from meshplan.ir.graph import Graph
+from meshplan.ir.node import Node, OpKind
+
+# Ops that produce no arithmetic: they only move or name data.
+_DATA_MOVEMENT = {
+    OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA, OpKind.BROADCAST, OpKind.RESHAPE,
+    OpKind.TRANSPOSE, OpKind.SLICE, OpKind.CONCATENATE, OpKind.GATHER, OpKind.DYNAMIC_SLICE,
+}
+# Elementwise ops that cost several FLOPs per element (rough libm figures).
+_TRANSCENDENTAL_FLOPS = {"exp": 4, "log": 4, "tanh": 6, "logistic": 6, "rsqrt": 2, "sqrt": 2,
+                         "pow": 8, "erf": 8, "sin": 6, "cos": 6}
+
+
+def node_flops(graph: Graph, node: Node) -> float:
+    """Floating-point operations of `node` (a multiply-add counts as 2)."""
+    if node.kind is OpKind.DOT:
+        lhs = graph[node.operands[0]]
+        contracted = math.prod(lhs.shape[d] for d in node.attr("lhs_contracting"))
+        return 2.0 * node.size * contracted
+    if node.kind is OpKind.REDUCE:
+        return float(graph[node.operands[0]].size)
+    if node.kind is OpKind.ELEMENTWISE:
+        if node.op in ("convert", "select", "copy"):
+            return 0.0
+        return float(node.size * _TRANSCENDENTAL_FLOPS.get(node.op, 1))
+    if node.kind in _DATA_MOVEMENT:
+        return 0.0
+    return float(node.size)
+
+
+def node_bytes_accessed(graph: Graph, node: Node) -> int:
+    """Bytes read and written by `node` when run unfused."""
+    if node.kind in (OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA):
+        return 0
+    return node.nbytes + sum(graph[i].nbytes for i in node.operands)
+
+
+def graph_flops(graph: Graph) -> float:
+    return sum(node_flops(graph, n) for n in graph.nodes)

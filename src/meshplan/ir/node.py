@@ -1,0 +1,96 @@
+"""One operator of the IR: its kind, operands, output shape and dtype, and attributes."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.ir.dtypes import DType
+
+
+class OpKind(enum.Enum):
+    """Operator families; the sharding rules are registered per kind."""
+
+    PARAMETER = "parameter"
+    CONSTANT = "constant"
+    IOTA = "iota"
+    DOT = "dot"
+    ELEMENTWISE = "elementwise"  # unary, binary, ternary, compare, select, convert (attr "op")
+    BROADCAST = "broadcast"
+    RESHAPE = "reshape"
+    TRANSPOSE = "transpose"
+    REDUCE = "reduce"
+    SLICE = "slice"
+    CONCATENATE = "concatenate"
+    GATHER = "gather"
+    DYNAMIC_SLICE = "dynamic_slice"
+    OPAQUE = "opaque"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """An operator producing one tensor.
+
+    Attributes:
+        id: position in the graph's topological order.
+        kind: operator family.
+        operands: ids of the producing nodes, in operand order.
+        shape: output shape.
+        dtype: output element type.
+        attrs: kind-specific attributes as sorted (name, value) pairs, values hashable.
+        name: a readable name ("w1", "layer3.attn.q"), unique in the graph.
+        source: where it came from (layer name, jaxpr equation, source line) for reports.
+        layer: index of the repeated layer the node belongs to, or None.
+    """
+
+    id: int
+    kind: OpKind
+    operands: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: DType
+    attrs: tuple[tuple[str, Any], ...] = ()
+    name: str = ""
+    source: str = ""
+    layer: int | None = None
+    _attr_map: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_attr_map", dict(self.attrs))
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        """The attribute `key`, or `default` when the node has none."""
+        return self._attr_map.get(key, default)
+
+    @property
+    def op(self) -> str:
+        """The sub-operation: "add", "exp", "sum" …; the kind's name when there is none."""
+        return self._attr_map.get("op", self.kind.value)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        return self.name or f"%{self.id}"
+
+
+def freeze_attrs(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Sorted, hashable attribute pairs (lists become tuples)."""
+    frozen = []
+    for key, value in sorted(attrs.items()):
+        if isinstance(value, list):
+            value = tuple(value)
+        frozen.append((key, value))
+    return tuple(frozen)

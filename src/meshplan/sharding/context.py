@@ -1,0 +1,71 @@
+"""RuleContext: what a strategy rule sees (graph, mesh, cost model, earlier nodes' strategies)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.collectives import Collective, CollectiveKind
+from meshplan.cost.model import CostModel
+from meshplan.ir.counting import node_flops
+from meshplan.ir.graph import Graph
+from meshplan.ir.node import Node
+from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import NodeStrategies, StrategySpace
+
+
+@dataclass(frozen=True, slots=True)
+class RuleConfig:
+    """Choices that shape the strategy lists.
+
+    Attributes:
+        space: FULL (every axis-to-dim assignment) or ALPA (Alpa's playground lists).
+        allow_replicated_parameters: keep the replicated strategy of parameters.
+        force_batch_dim_to_mesh_dim: if set, contractions keep only strategies that split the
+            batch dim (traced from the first parameter's dim 0) over this mesh axis.
+    """
+
+    space: StrategySpace = StrategySpace.FULL
+    allow_replicated_parameters: bool = True
+    force_batch_dim_to_mesh_dim: int | None = None
+
+
+@dataclass(slots=True)
+class RuleContext:
+    graph: Graph
+    mesh: LogicalMesh
+    model: CostModel
+    config: RuleConfig
+    depth: tuple[int, ...]
+    batch_dims: dict[int, int]
+    done: dict[int, NodeStrategies] = field(default_factory=dict)
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """Mesh axes with more than one device: the only ones worth splitting over."""
+        return tuple(a for a, s in enumerate(self.mesh.shape) if s > 1)
+
+    def fits(self, size: int, axes: Sequence[int]) -> bool:
+        """A dim of `size` may be split over `axes` (uneven splits are padded up)."""
+        return size >= self.mesh.axis_size(axes)
+
+    def spec_fits(self, shape: Sequence[int], spec: ShardingSpec) -> bool:
+        return all(not a or self.fits(s, a) for s, a in zip(shape, spec.dims, strict=True))
+
+    def local_bytes(self, node: Node, spec: ShardingSpec) -> float:
+        return math.prod(spec.shard_shape(node.shape, self.mesh)) * node.dtype.itemsize
+
+    def local_flops(self, node: Node, spec_axes: Sequence[int]) -> float:
+        """FLOPs one device runs when the node's work is split over `spec_axes`."""
+        return node_flops(self.graph, node) / self.mesh.axis_size(tuple(set(spec_axes)))
+
+    def collective(self, kind: CollectiveKind, axes: Sequence[int], nbytes: float) -> Collective:
+        return self.model.collectives.collective(kind, self.mesh, axes, nbytes)
+
+    def operand(self, node: Node, position: int) -> Node:
+        return self.graph[node.operands[position]]
+
+    def strategies_of(self, node_id: int) -> NodeStrategies:
+        return self.done[node_id]

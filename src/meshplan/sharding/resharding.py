@@ -1,0 +1,60 @@
+"""Cost of turning a producer's sharding into the one a consumer requires."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.collectives import Collective, CollectiveKind
+from meshplan.cost.model import CostModel, ReshardingRule
+from meshplan.sharding.spec import ShardingSpec
+
+
+def resharding_collectives(shape: Sequence[int], itemsize: int, src: ShardingSpec, dst: ShardingSpec,
+                           mesh: LogicalMesh, model: CostModel) -> tuple[Collective, ...]:
+    """The collectives that turn `src` into `dst`; an empty tuple when slicing suffices."""
+    if src == dst or src.is_replicated:
+        return ()
+    if model.resharding is ReshardingRule.ALPA:
+        return _alpa_collectives(shape, itemsize, src, dst, mesh, model)
+    return _exact_collectives(shape, itemsize, src, dst, mesh, model)
+
+
+def resharding_cost(shape: Sequence[int], itemsize: int, src: ShardingSpec, dst: ShardingSpec,
+                    mesh: LogicalMesh, model: CostModel) -> float:
+    return sum(c.cost for c in resharding_collectives(shape, itemsize, src, dst, mesh, model))
+
+
+def _local_bytes(shape: Sequence[int], itemsize: int, spec: ShardingSpec, mesh: LogicalMesh) -> float:
+    return math.prod(spec.shard_shape(shape, mesh)) * itemsize
+
+
+def _alpa_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collective, ...]:
+    full = math.prod(shape) * itemsize
+    out = []
+    for axis in src.axes():
+        if mesh.shape[axis] > 1 and dst.dim_of_axis(axis) != src.dim_of_axis(axis):
+            out.append(model.collectives.collective(CollectiveKind.ALL_GATHER, mesh, (axis,), full))
+    return tuple(out)
+
+
+def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collective, ...]:
+    moved, dropped = [], []
+    for axis in src.axes():
+        if mesh.shape[axis] == 1:
+            continue
+        target = dst.dim_of_axis(axis)
+        if target is None:
+            dropped.append(axis)
+        elif target != src.dim_of_axis(axis):
+            moved.append(axis)
+    out = []
+    if moved:
+        out.append(model.collectives.collective(
+            CollectiveKind.ALL_TO_ALL, mesh, moved, _local_bytes(shape, itemsize, src, mesh)))
+    if dropped:
+        gathered = src.without_axes(dropped)
+        out.append(model.collectives.collective(
+            CollectiveKind.ALL_GATHER, mesh, dropped, _local_bytes(shape, itemsize, gathered, mesh)))
+    return tuple(out)

@@ -1,0 +1,109 @@
+"""Rules for dot_general: data, tensor (column/row) and batch parallel splits (Alpa Table 3)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterator
+
+from meshplan.cost.collectives import CollectiveKind
+from meshplan.ir.node import Node, OpKind
+from meshplan.sharding.context import RuleContext
+from meshplan.sharding.rules.assign import assign_axes
+from meshplan.sharding.rules.registry import register_rule
+from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import NodeStrategies, Strategy, StrategySpace
+
+Slot = tuple[str, int]  # ("b", i) batch, ("l", i) lhs free, ("r", i) rhs free, ("c", i) contracting
+
+
+class DotDims:
+    """Where each dim group of a dot sits in lhs, rhs and the output."""
+
+    def __init__(self, node: Node, lhs: Node, rhs: Node) -> None:
+        self.lb, self.rb = node.attr("lhs_batch"), node.attr("rhs_batch")
+        self.lc, self.rc = node.attr("lhs_contracting"), node.attr("rhs_contracting")
+        self.lf = tuple(d for d in range(lhs.rank) if d not in self.lc + self.lb)
+        self.rf = tuple(d for d in range(rhs.rank) if d not in self.rc + self.rb)
+        self.lhs, self.rhs, self.out = lhs, rhs, node
+
+    def slots(self) -> list[Slot]:
+        return ([("b", i) for i in range(len(self.lb))] + [("l", i) for i in range(len(self.lf))]
+                + [("r", i) for i in range(len(self.rf))] + [("c", i) for i in range(len(self.lc))])
+
+    def size(self, slot: Slot) -> int:
+        group, i = slot
+        dims = {"b": self.lb, "l": self.lf, "c": self.lc}
+        return self.rhs.shape[self.rf[i]] if group == "r" else self.lhs.shape[dims[group][i]]
+
+    def specs(self, assignment: dict[Hashable, tuple[int, ...]]) -> tuple[ShardingSpec, ShardingSpec, ShardingSpec]:
+        """(output, lhs, rhs) specs for a slot -> axes assignment."""
+        nb, nl = len(self.lb), len(self.lf)
+        out = [()] * self.out.rank
+        lhs, rhs = [()] * self.lhs.rank, [()] * self.rhs.rank
+        for (group, i), axes in assignment.items():
+            if group == "b":
+                out[i], lhs[self.lb[i]], rhs[self.rb[i]] = axes, axes, axes
+            elif group == "l":
+                out[nb + i], lhs[self.lf[i]] = axes, axes
+            elif group == "r":
+                out[nb + nl + i], rhs[self.rf[i]] = axes, axes
+            else:
+                lhs[self.lc[i]], rhs[self.rc[i]] = axes, axes
+        return ShardingSpec(tuple(out)), ShardingSpec(tuple(lhs)), ShardingSpec(tuple(rhs))
+
+
+@register_rule(OpKind.DOT)
+def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    dims = DotDims(node, ctx.operand(node, 0), ctx.operand(node, 1))
+    alpa = ctx.config.space is StrategySpace.ALPA and len(dims.lc) == 1 and len(dims.lf) == 1 \
+        and len(dims.rf) == 1 and ctx.mesh.ndim <= 2
+    assignments = list(_alpa_assignments(dims, ctx) if alpa else _full_assignments(dims, ctx))
+    strategies = [_strategy(node, dims, a, ctx) for a in assignments]
+    forced = ctx.config.force_batch_dim_to_mesh_dim
+    if forced is not None and node.id in ctx.batch_dims:
+        batch_dim = ctx.batch_dims[node.id]
+        kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+        strategies = kept or strategies
+    return NodeStrategies(node.id, tuple(strategies))
+
+
+def _full_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
+    # With compute priced at zero every axis must take part, or replication would look free.
+    for assignment in assign_axes(dims.slots(), ctx.axes, require_all=not ctx.model.compute_on):
+        if all(ctx.fits(dims.size(slot), axes) for slot, axes in assignment.items()):
+            yield assignment
+
+
+def _alpa_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
+    """The strategy list of Alpa's playground solver, in its order."""
+    size = [ctx.mesh.shape[a] if a < ctx.mesh.ndim else 1 for a in (0, 1)]
+    if len(dims.lb) == 2 and size[0] > 1 and size[1] > 1:
+        yield {("b", 0): (0,), ("b", 1): (1,)}
+        return
+    lhs, rhs, con = ("l", 0), ("r", 0), ("c", 0)
+    both = size[0] > 1 and size[1] > 1
+    table = [({lhs: 0, rhs: 1}, True), ({lhs: 1, rhs: 0}, True),
+             ({lhs: 0, con: 1}, size[1] > 1), ({lhs: 1, con: 0}, size[0] > 1),
+             ({con: 0, rhs: 1}, both), ({con: 1, rhs: 0}, both)]
+    for entry, enabled in table:
+        if enabled:
+            yield {slot: (axis,) for slot, axis in entry.items() if size[axis] > 1}
+    for i in range(len(dims.lb)):
+        for axis in (0, 1):
+            if size[axis] > 1 and dims.size(("b", i)) >= size[axis]:
+                yield {("b", i): (axis,)}
+
+
+def _strategy(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext) -> Strategy:
+    out, lhs, rhs = dims.specs(assignment)
+    memory = ctx.local_bytes(node, out)
+    contracted = tuple(a for (group, _), axes in assignment.items() if group == "c" for a in axes)
+    collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, contracted, memory),) if contracted else ()
+    local_contract = math.prod(math.ceil(dims.size(("c", i)) / ctx.mesh.axis_size(assignment.get(("c", i), ())))
+                               for i in range(len(dims.lc)))
+    flops = 2.0 * math.prod(out.shard_shape(node.shape, ctx.mesh)) * local_contract
+    name = f"{out} = {lhs} x {rhs}"
+    if contracted:
+        name += f" (allreduce @ {''.join(map(str, sorted(contracted)))})"
+    return Strategy(name, out, (lhs, rhs), compute=ctx.model.compute_cost(flops),
+                    communication=sum(c.cost for c in collectives), memory=memory, collectives=collectives)

@@ -1,0 +1,132 @@
+"""Rules for ops that follow one operand's sharding: elementwise, layout, reduce, slicing.
+
+A follower has one strategy per strategy of the operand it follows, so the intra-op pass can
+merge it into that operand's decision before solving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshplan.cost.collectives import Collective, CollectiveKind
+from meshplan.ir.node import Node, OpKind
+from meshplan.sharding.context import RuleContext
+from meshplan.sharding.rules.registry import register_rule
+from meshplan.sharding.spec import ShardingSpec, reshape_spec
+from meshplan.sharding.strategy import NodeStrategies, Strategy
+
+# Maps the followed operand's spec to (output spec, required operand specs, collectives).
+Transform = Callable[[ShardingSpec], tuple[ShardingSpec, tuple[ShardingSpec, ...], tuple[Collective, ...]]]
+
+
+def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
+           materialized: bool = True) -> NodeStrategies:
+    """One strategy per strategy of operand `position`, shaped by `transform`.
+
+    `materialized=False` marks outputs that compilers fuse into their consumers (broadcasts):
+    they hold no memory of their own.
+    """
+    leader = ctx.strategies_of(node.operands[position])
+    strategies = []
+    for lead in leader.strategies:
+        out, required, collectives = transform(lead.output)
+        strategies.append(Strategy(
+            f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
+            compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())),
+            communication=sum(c.cost for c in collectives),
+            memory=ctx.local_bytes(node, out) if materialized else 0.0, collectives=collectives,
+        ))
+    return NodeStrategies(node.id, tuple(strategies), follows=position)
+
+
+def deepest_operand(node: Node, ctx: RuleContext) -> int:
+    """Position of the operand furthest from the inputs (the first on ties)."""
+    depths = [ctx.depth[o] for o in node.operands]
+    return depths.index(max(depths))
+
+
+@register_rule(OpKind.ELEMENTWISE)
+def elementwise_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    n = len(node.operands)
+    return follow(node, ctx, deepest_operand(node, ctx), lambda s: (s, (s,) * n, ()))
+
+
+@register_rule(OpKind.BROADCAST)
+def broadcast_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    dims = node.attr("dims")
+    return follow(node, ctx, 0, lambda s: (s.broadcast(dims, node.rank), (s,), ()), materialized=False)
+
+
+@register_rule(OpKind.TRANSPOSE)
+def transpose_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    perm = node.attr("perm")
+    return follow(node, ctx, 0, lambda s: (s.transpose(perm), (s,), ()))
+
+
+@register_rule(OpKind.RESHAPE)
+def reshape_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    operand = ctx.operand(node, 0)
+
+    def transform(spec: ShardingSpec):
+        out = reshape_spec(spec, operand.shape, node.shape, ctx.mesh)
+        kept = set(out.axes())
+        required = spec.without_axes([a for a in spec.axes() if a not in kept])
+        return out, (required,), ()
+
+    return follow(node, ctx, 0, transform)
+
+
+@register_rule(OpKind.REDUCE)
+def reduce_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    dims = node.attr("dims")
+
+    def transform(spec: ShardingSpec):
+        out = spec.reduce(dims)
+        axes = spec.reduced_axes(dims)
+        collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, axes, ctx.local_bytes(node, out)),) \
+            if any(ctx.mesh.shape[a] > 1 for a in axes) else ()
+        return out, (spec,), collectives
+
+    return follow(node, ctx, 0, transform)
+
+
+def _unsplit(spec: ShardingSpec, dims: set[int]) -> ShardingSpec:
+    return ShardingSpec(tuple(() if d in dims else a for d, a in enumerate(spec.dims)))
+
+
+@register_rule(OpKind.SLICE, OpKind.DYNAMIC_SLICE)
+def slice_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Dims that get cut must be whole on each device first; other dims keep their split."""
+    operand = ctx.operand(node, 0)
+    cut = {d for d in range(node.rank) if node.shape[d] != operand.shape[d]}
+    rest = tuple(ShardingSpec.replicated(ctx.graph[o].rank) for o in node.operands[1:])
+
+    def transform(spec: ShardingSpec):
+        kept = _unsplit(spec, cut)
+        return kept, (kept, *rest), ()
+
+    return follow(node, ctx, 0, transform)
+
+
+@register_rule(OpKind.CONCATENATE)
+def concatenate_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    dim, n = node.attr("dim"), len(node.operands)
+
+    def transform(spec: ShardingSpec):
+        kept = _unsplit(spec, {dim})
+        return kept, (kept,) * n, ()
+
+    return follow(node, ctx, deepest_operand(node, ctx), transform)
+
+
+@register_rule(OpKind.GATHER)
+def gather_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Embedding lookup: the output follows the indices; the table is read whole."""
+    table = ctx.operand(node, 0)
+    extra = node.rank - ctx.operand(node, 1).rank
+
+    def transform(spec: ShardingSpec):
+        out = ShardingSpec(spec.dims + ((),) * extra)
+        return out, (ShardingSpec.replicated(table.rank), spec), ()
+
+    return follow(node, ctx, 1, transform)

@@ -1,0 +1,54 @@
+"""Rules for nodes without operands: parameters, constants, iota."""
+
+from __future__ import annotations
+
+from meshplan.ir.node import Node, OpKind
+from meshplan.sharding.context import RuleContext
+from meshplan.sharding.rules.assign import assign_axes
+from meshplan.sharding.rules.registry import register_rule
+from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import NodeStrategies, Strategy, StrategySpace
+
+
+@register_rule(OpKind.PARAMETER)
+def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """A parameter may be split over any axes on any dims, or replicated."""
+    specs = _alpa_parameter_specs(node, ctx) if ctx.config.space is StrategySpace.ALPA \
+        else _full_parameter_specs(node, ctx)
+    split = [s for s in specs if not s.is_replicated]
+    if ctx.config.allow_replicated_parameters or not split:
+        split.append(ShardingSpec.replicated(node.rank))
+    strategies = tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s)) for s in split)
+    return NodeStrategies(node.id, strategies)
+
+
+def _full_parameter_specs(node: Node, ctx: RuleContext) -> list[ShardingSpec]:
+    specs = []
+    for assignment in assign_axes(range(node.rank), ctx.axes):
+        spec = ShardingSpec(tuple(assignment.get(d, ()) for d in range(node.rank)))
+        if ctx.spec_fits(node.shape, spec):
+            specs.append(spec)
+    return specs
+
+
+def _alpa_parameter_specs(node: Node, ctx: RuleContext) -> list[ShardingSpec]:
+    """One split dim on one axis at a time (Alpa's "S{i} @ {j}")."""
+    specs = []
+    for d in range(node.rank):
+        for axis in ctx.axes:
+            if ctx.fits(node.shape[d], (axis,)):
+                specs.append(ShardingSpec(tuple((axis,) if i == d else () for i in range(node.rank))))
+    return specs
+
+
+def _spec_name(spec: ShardingSpec) -> str:
+    if spec.is_replicated:
+        return "R"
+    return " ".join(f"S{d} @ {''.join(map(str, a))}" for d, a in enumerate(spec.dims) if a)
+
+
+@register_rule(OpKind.CONSTANT, OpKind.IOTA)
+def replicated_leaf(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Constants are made on every device; any split of them is free slicing later."""
+    spec = ShardingSpec.replicated(node.rank)
+    return NodeStrategies(node.id, (Strategy("R", spec, (), memory=ctx.local_bytes(node, spec)),))

@@ -1,0 +1,140 @@
+"""ShardingSpec: which mesh axes split each tensor dim, and how specs move through layout ops."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.cluster.mesh import LogicalMesh
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingSpec:
+    """For each tensor dim, the mesh axes it is split over (major to minor); () = not split.
+
+    A spec never names an axis twice. Axes that split no dim replicate the tensor along them.
+    """
+
+    dims: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def replicated(rank: int) -> ShardingSpec:
+        return ShardingSpec(((),) * rank)
+
+    @staticmethod
+    def of(*dims: Sequence[int] | int | None) -> ShardingSpec:
+        """ShardingSpec.of(0, None) splits dim 0 over axis 0; of((0, 1), None) over both."""
+        return ShardingSpec(tuple(_as_axes(d) for d in dims))
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not any(self.dims)
+
+    def axes(self) -> tuple[int, ...]:
+        """All mesh axes that split some dim."""
+        return tuple(a for d in self.dims for a in d)
+
+    def dim_of_axis(self, axis: int) -> int | None:
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return d
+        return None
+
+    def num_shards(self, mesh: LogicalMesh) -> int:
+        return mesh.axis_size(self.axes())
+
+    def shard_shape(self, shape: Sequence[int], mesh: LogicalMesh) -> tuple[int, ...]:
+        """Local shape on one device; a dim the axes do not divide is padded up (ceil)."""
+        return tuple(math.ceil(s / mesh.axis_size(a)) for s, a in zip(shape, self.dims, strict=True))
+
+    def is_valid_for(self, shape: Sequence[int], mesh: LogicalMesh) -> bool:
+        """True when every split dim is divided evenly by its axes."""
+        return all(s % mesh.axis_size(a) == 0 for s, a in zip(shape, self.dims, strict=True))
+
+    def without_axes(self, axes: Sequence[int]) -> ShardingSpec:
+        return ShardingSpec(tuple(tuple(a for a in d if a not in axes) for d in self.dims))
+
+    def transpose(self, perm: Sequence[int]) -> ShardingSpec:
+        """Spec of transpose(x, perm) given x's spec."""
+        return ShardingSpec(tuple(self.dims[p] for p in perm))
+
+    def broadcast(self, dims: Sequence[int], out_rank: int) -> ShardingSpec:
+        """Spec of broadcast_in_dim(x, dims): operand dim i lands at output dim dims[i]."""
+        out: list[tuple[int, ...]] = [()] * out_rank
+        for i, d in enumerate(dims):
+            out[d] = self.dims[i]
+        return ShardingSpec(tuple(out))
+
+    def reduce(self, dims: Sequence[int]) -> ShardingSpec:
+        """Spec of reduce(x, dims): the reduced dims disappear (their axes need an all-reduce)."""
+        return ShardingSpec(tuple(a for d, a in enumerate(self.dims) if d not in dims))
+
+    def reduced_axes(self, dims: Sequence[int]) -> tuple[int, ...]:
+        """Axes splitting the reduced dims: the partial results must be summed over them."""
+        return tuple(a for d in dims for a in self.dims[d])
+
+    def __str__(self) -> str:
+        if not self.dims:
+            return "R(scalar)"
+        return "".join("R" if not a else "S" + "".join(map(str, a)) for a in self.dims)
+
+
+def reshape_spec(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence[int],
+                 mesh: LogicalMesh) -> ShardingSpec:
+    """Best spec of reshape(x) for x laid out as `spec`: axes that cannot move are dropped.
+
+    A split dim keeps its axes when it maps to the major dim of its reshape group and that
+    dim stays divisible; splits of minor dims of a merged group are dropped (the caller then
+    prices the gather needed to drop them).
+    """
+    out: list[tuple[int, ...]] = [()] * len(out_shape)
+    for in_dims, out_dims in reshape_groups(in_shape, out_shape):
+        if not in_dims or not out_dims:
+            continue
+        major_in = next((d for d in in_dims if in_shape[d] > 1), in_dims[0])
+        major_out = next((d for d in out_dims if out_shape[d] > 1), out_dims[0])
+        if any(spec.dims[d] for d in in_dims if d != major_in):
+            continue  # a split minor dim of a merged group cannot stay split
+        axes = spec.dims[major_in]
+        if axes and out_shape[major_out] % mesh.axis_size(axes) == 0:
+            out[major_out] = axes
+    return ShardingSpec(tuple(out))
+
+
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a reshape into (input dims, output dims) groups whose sizes have equal products."""
+    n, m = len(in_shape), len(out_shape)
+    if 0 in in_shape or 0 in out_shape:
+        return [(tuple(range(n)), tuple(range(m)))]
+    groups: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    i = j = 0
+    while i < n and j < m:
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= out_shape[j]
+                j += 1
+        groups.append((tuple(gi), tuple(gj)))
+    if i < n or j < m:  # trailing size-1 dims
+        groups.append((tuple(range(i, n)), tuple(range(j, m))))
+    return groups
+
+
+def _as_axes(value: Sequence[int] | int | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
