@@ -13,12 +13,12 @@ uses); shared edges add their cost matrices together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshplan.intra.program import LinearProgram
-from meshplan.intra.strategy_graph import StrategyGraph
+from meshplan.intra.strategy_graph import StrategyGraph, dominated_choices
 from meshplan.ir.node import OpKind
 
 
@@ -28,6 +28,11 @@ class VariableMap:
 
     canon: dict[int, int]
     s: dict[int, list[int]]  # canonical group -> its variables (empty for one-choice groups)
+    excluded: dict[int, set[int]] = field(default_factory=dict)  # choices fixed to 0
+
+    def alive(self, group: int, size: int) -> list[int]:
+        bad = self.excluded.get(self.canon[group], set())
+        return [i for i in range(size) if i not in bad]
 
     def choice(self, group: int, values) -> int:
         variables = self.s[self.canon[group]]
@@ -68,11 +73,17 @@ def build_ilp(sg: StrategyGraph, budget: float | None, canon: dict[int, int] | N
         if n > 1:
             lp.add_row({v: 1.0 for v in vm.s[c]}, 1.0, 1.0, "one_hot")
     expr = _Expr(lp, vm)
+    excluded: dict[int, set[int]] = {}
     for g, bad in sg.forbidden.items():
+        excluded.setdefault(canon[g], set()).update(bad)
+    if not minimize_memory:
+        for c, bad in dominated_choices(sg, canon, excluded).items():
+            excluded.setdefault(c, set()).update(bad)
+    for c, bad in excluded.items():
         for i in bad:
-            variables = vm.s[canon[g]]
-            if variables:
-                lp.upper[variables[i]] = 0.0
+            if vm.s[c]:
+                lp.upper[vm.s[c][i]] = 0.0
+    vm.excluded = excluded
     if not minimize_memory:
         _add_node_costs(sg, lp, expr)
         _add_edges(sg, lp, vm, expr)
@@ -110,18 +121,21 @@ def _add_edges(sg: StrategyGraph, lp: LinearProgram, vm: VariableMap, expr: _Exp
 
 
 def _add_edge(lp: LinearProgram, vm: VariableMap, expr: _Expr, a: int, b: int, matrix: np.ndarray) -> None:
+    rows_alive, cols_alive = vm.alive(a, matrix.shape[0]), vm.alive(b, matrix.shape[1])
+    matrix = matrix[np.ix_(rows_alive, cols_alive)]
     # Peel off what depends on one end only: those parts are linear in that end's choice.
     row_min = matrix.min(axis=1)
     matrix = matrix - row_min[:, None]
     col_min = matrix.min(axis=0)
     matrix = matrix - col_min[None, :]
-    _add_linear(lp, expr, a, row_min)
-    _add_linear(lp, expr, b, col_min)
+    _add_linear(lp, expr, a, _spread(row_min, rows_alive, len(vm.s[vm.canon[a]]) or 1))
+    _add_linear(lp, expr, b, _spread(col_min, cols_alive, len(vm.s[vm.canon[b]]) or 1))
     if not matrix.any():
         return
     # Choices with identical cost rows (columns) are interchangeable on this edge.
-    row_classes = _classes(matrix)
-    col_classes = _classes(matrix.T)
+    row_classes = [[rows_alive[i] for i in cls] for cls in _classes(matrix)]
+    col_classes = [[cols_alive[j] for j in cls] for cls in _classes(matrix.T)]
+    matrix = _expand(matrix, rows_alive, cols_alive)
     e: dict[tuple[int, int], int] = {}
     for p, rows in enumerate(row_classes):
         for q, cols in enumerate(col_classes):
@@ -134,6 +148,19 @@ def _add_edge(lp: LinearProgram, vm: VariableMap, expr: _Expr, a: int, b: int, m
         terms = {e[p, q]: 1.0 for p in range(len(row_classes))}
         constant = sum(expr.add(terms, b, j, -1.0) for j in cols)
         lp.add_row(terms, -constant, -constant, "edge_col")
+
+
+def _spread(values: np.ndarray, alive: list[int], size: int) -> np.ndarray:
+    """Values over the alive choices, placed back at their indices (0 elsewhere)."""
+    out = np.zeros(size)
+    out[alive] = values
+    return out
+
+
+def _expand(matrix: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
+    out = np.zeros((max(rows) + 1, max(cols) + 1))
+    out[np.ix_(rows, cols)] = matrix
+    return out
 
 
 def _classes(matrix: np.ndarray) -> list[list[int]]:

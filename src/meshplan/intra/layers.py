@@ -18,7 +18,7 @@ def layer_signatures(graph: Graph) -> dict[int, tuple]:
         entries = []
         for v in ids:
             node = graph[v]
-            refs = tuple(("in", local[o]) if o in local else ("out", graph[o].kind, graph[o].shape, graph[o].dtype)
+            refs = tuple(("in", local[o]) if o in local else ("out", graph[o].shape, graph[o].dtype)
                          for o in node.operands)
             entries.append((node.kind, node.attrs, node.shape, node.dtype, refs))
         signatures[layer] = tuple(entries)

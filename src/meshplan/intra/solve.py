@@ -72,15 +72,24 @@ def budget_of(mesh: LogicalMesh, options: IntraOptions) -> float | None:
     return options.memory_budget if options.memory_budget is not None else mesh.memory_per_device
 
 
+class PaddedSplitWarning(UserWarning):
+    """A mesh axis divides no tensor dim evenly: every split over it is padded."""
+
+
 def check_mesh_fits(graph: Graph, mesh: LogicalMesh) -> None:
-    """Raise MeshError when a mesh axis is larger than every tensor dim of the graph."""
-    largest = max((d for n in graph.nodes for d in n.shape), default=0)
+    """Raise MeshError when a mesh axis is larger than every tensor dim of the graph; warn
+    when it divides none of them (splits over it are then padded up)."""
+    dims = {d for n in graph.nodes for d in n.shape}
+    largest = max(dims, default=0)
     for axis, size in enumerate(mesh.shape):
         if size > 1 and size > largest:
             raise MeshError(
                 f"mesh axis {axis} has {size} devices but the largest tensor dim of graph "
                 f"{graph.name!r} is {largest}: nothing can be split over it. Use a smaller mesh axis "
                 f"or a larger batch.")
+        if size > 1 and not any(d % size == 0 for d in dims):
+            warnings.warn(f"mesh axis {axis} ({size} devices) divides no tensor dim of {graph.name!r}; "
+                          "splits over it are padded up", PaddedSplitWarning, stacklevel=3)
 
 
 def _infeasible(sg: StrategyGraph, graph: Graph, mesh: LogicalMesh, budget: float | None,

@@ -132,10 +132,8 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
         raise SolverError("the CBC backend needs PuLP: pip install pulp") from exc
     start = time.perf_counter()
     prob = pulp.LpProblem("meshplan_intra", pulp.LpMinimize)
-    xs = [pulp.LpVariable(f"x{i}", lowBound=lp.lower[i],
-                          upBound=None if lp.upper[i] == float("inf") else lp.upper[i],
-                          cat=pulp.LpBinary if lp.integer[i] and lp.upper[i] <= 1 else
-                          (pulp.LpInteger if lp.integer[i] else pulp.LpContinuous))
+    xs = [prob.add_variable(f"x{i}", lp.lower[i], None if lp.upper[i] == float("inf") else lp.upper[i],
+                            pulp.LpInteger if lp.integer[i] else pulp.LpContinuous)
           for i in range(lp.num_vars)]
     prob += pulp.LpAffineExpression([(xs[i], c) for i, c in enumerate(lp.cost) if c]) + lp.offset
     for k, row in enumerate(lp.rows):
@@ -147,7 +145,9 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
                 prob += (body >= row.lower), f"r{k}_lo"
             if row.upper < float("inf"):
                 prob += (body <= row.upper), f"r{k}_hi"
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=mip_gap or None)
+    solver = pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=mip_gap or None)
+    if not solver.available():
+        raise SolverError("the CBC backend needs the cbc binary: pip install 'pulp[cbc]'")
     prob.solve(solver)
     wall = time.perf_counter() - start
     # PuLP can call a time-limited run "Optimal": trust the solution status instead.

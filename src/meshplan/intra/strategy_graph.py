@@ -80,15 +80,18 @@ class StrategyGraph:
         return np.array([s.memory for s in self.nodes[node_id].strategies])
 
     def reshard(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> tuple[Collective, ...]:
+        if src is dst or src.dims == dst.dims:
+            return ()
         node = self.graph[producer]
-        key = (node.shape, node.dtype.itemsize, src, dst)
+        key = (node.shape, node.dtype, src.dims, dst.dims)
         if key not in self._reshard_cache:
             self._reshard_cache[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst,
                                                               self.mesh, self.model)
         return self._reshard_cache[key]
 
     def reshard_cost(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> float:
-        return sum(c.cost for c in self.reshard(producer, src, dst))
+        collectives = self.reshard(producer, src, dst)
+        return sum(c.cost for c in collectives) if collectives else 0.0
 
     # -- evaluation --------------------------------------------------------------------------
 
@@ -161,9 +164,24 @@ def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:
         if h == g:  # same decision: strategy i meets strategy i
             sg.resharding[g] += [sg.reshard_cost(operand, produced[i], required[i]) for i in range(len(required))]
             continue
-        matrix = np.array([[sg.reshard_cost(operand, p, r) for r in required] for p in produced])
+        matrix = _reshard_matrix(sg, operand, produced, required)
         key, matrix = ((h, g), matrix) if h < g else ((g, h), matrix.T)
         sg.edges[key] = sg.edges[key] + matrix if key in sg.edges else matrix
+
+
+def _reshard_matrix(sg: StrategyGraph, operand: int, produced: list[ShardingSpec],
+                    required: list[ShardingSpec]) -> np.ndarray:
+    """[produced i, required j] resharding costs, pricing each distinct spec pair once."""
+    src, src_index = np.unique(_spec_ids(produced), return_inverse=True)
+    dst, dst_index = np.unique(_spec_ids(required), return_inverse=True)
+    src_specs = {k: spec for k, spec in zip(_spec_ids(produced), produced, strict=True)}
+    dst_specs = {k: spec for k, spec in zip(_spec_ids(required), required, strict=True)}
+    small = np.array([[sg.reshard_cost(operand, src_specs[a], dst_specs[b]) for b in dst] for a in src])
+    return small[np.ix_(src_index.ravel(), dst_index.ravel())]
+
+
+def _spec_ids(specs: list[ShardingSpec]) -> list[str]:
+    return [repr(spec.dims) for spec in specs]
 
 
 def _add_aliases(sg: StrategyGraph) -> None:
@@ -182,11 +200,46 @@ def _add_aliases(sg: StrategyGraph) -> None:
     sg.aliases = tuple(aliases)
 
 
+def dominated_choices(sg: StrategyGraph, canon: dict[int, int], excluded: dict[int, set[int]]) -> dict[int, set[int]]:
+    """Per canonical group, choices another choice beats on every term (exact presolve).
+
+    Choice i dominates k when its own cost, the memory of every member node, every resharding
+    cost towards every neighbour choice are no larger, and it is compatible with at least the
+    alias partners k is compatible with. Dropping k then cannot worsen the optimum.
+    """
+    profiles: dict[int, list[np.ndarray]] = {}
+    for g in sg.groups:
+        parts = profiles.setdefault(canon[g], [])
+        parts.append((sg.compute[g] + sg.communication[g] + sg.resharding[g])[:, None])
+        parts.extend(sg.memory(v)[:, None] for v in range(len(sg.graph)) if sg.leader[v] == g)
+    for (a, b), matrix in sg.edges.items():
+        profiles[canon[a]].append(matrix)
+        profiles[canon[b]].append(matrix.T)
+    for a, b, equal in sg.aliases:
+        profiles[canon[a]].append(-equal.astype(float))
+        profiles[canon[b]].append(-equal.T.astype(float))
+    dominated: dict[int, set[int]] = {}
+    for c, parts in profiles.items():
+        table = np.hstack(parts)
+        bad = set(excluded.get(c, ()))
+        for k in range(table.shape[0]):
+            no_worse = np.all(table <= table[k] + 1e-12 * np.abs(table[k]), axis=1)
+            better = no_worse & (np.any(table < table[k], axis=1) | (np.arange(table.shape[0]) < k))
+            better[list(bad)] = False
+            better[k] = False
+            if better.any():
+                bad.add(k)
+        bad -= excluded.get(c, set())
+        if bad:
+            dominated[c] = bad
+    return dominated
+
+
 def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
     """Per program point t, the values held while node t runs.
 
-    A value lives from its definition to its last use; parameters from the start (they are
-    inputs) and outputs to the end.
+    A value lives from its definition to its last use; parameters (weights, optimizer state,
+    inputs) are held for the whole step, outputs to the end.
     """
     n = len(graph)
     last_use = list(range(n))
@@ -195,6 +248,8 @@ def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
             last_use[operand] = max(last_use[operand], node.id)
     for out in graph.outputs:
         last_use[out] = n - 1
+    for node in graph.parameters():
+        last_use[node.id] = n - 1
     first = [0 if node.kind.value == "parameter" else node.id for node in graph.nodes]
     starts: list[list[int]] = [[] for _ in range(n)]
     ends: list[list[int]] = [[] for _ in range(n)]

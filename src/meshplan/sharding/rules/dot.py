@@ -58,6 +58,8 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     alpa = ctx.config.space is StrategySpace.ALPA and len(dims.lc) == 1 and len(dims.lf) == 1 \
         and len(dims.rf) == 1 and ctx.mesh.ndim <= 2
     assignments = list(_alpa_assignments(dims, ctx) if alpa else _full_assignments(dims, ctx))
+    if not assignments:  # no split uses every axis (dims too small): allow idle axes
+        assignments = list(_full_assignments(dims, ctx, require_all=False))
     strategies = [_strategy(node, dims, a, ctx) for a in assignments]
     forced = ctx.config.force_batch_dim_to_mesh_dim
     if forced is not None and node.id in ctx.batch_dims:
@@ -67,9 +69,11 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     return NodeStrategies(node.id, tuple(strategies))
 
 
-def _full_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
+def _full_assignments(dims: DotDims, ctx: RuleContext, require_all: bool | None = None) -> Iterator[dict]:
     # With compute priced at zero every axis must take part, or replication would look free.
-    for assignment in assign_axes(dims.slots(), ctx.axes, require_all=not ctx.model.compute_on):
+    if require_all is None:
+        require_all = not ctx.model.compute_on
+    for assignment in assign_axes(dims.slots(), ctx.axes, require_all=require_all):
         if all(ctx.fits(dims.size(slot), axes) for slot, axes in assignment.items()):
             yield assignment
 

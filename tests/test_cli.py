@@ -1,0 +1,56 @@
+"""The `meshplan` command: plans print, JSON parses, user errors exit 2 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshplan.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_intra_prints_plan():
+    result = run("intra", "--layers", "2", "--batch", "8", "--seq-len", "128", "--mesh", "2x4")
+    assert result.returncode == 0, result.stderr
+    assert "objective" in result.stdout and "scores" in result.stdout and "solver" in result.stdout
+
+
+def test_intra_json_and_out_file(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("intra", "--layers", "2", "--batch", "8", "--seq-len", "128", "--mesh", "2x4", "--json",
+                 "--out", str(out), "--compare-sharing")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["solver"]["status"] == "optimal"
+    assert data["sharing"]["difference"] >= -1e-9  # sharing can only constrain
+    assert json.loads(out.read_text()) == data
+
+
+def test_dump_lp(tmp_path):
+    lp = tmp_path / "m.lp"
+    result = run("intra", "--layers", "1", "--batch", "8", "--seq-len", "64", "--mesh", "2x2", "--dump-lp", str(lp))
+    assert result.returncode == 0, result.stderr
+    text = lp.read_text()
+    assert text.startswith("\\ meshplan") and "Subject To" in text and "Binaries" in text
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--model", "llama9-1b"), "unknown model 'llama9-1b'"),
+    (("--mesh", "4xq"), "is not a shape"),
+    (("--mesh", "2x2", "--mesh-alpha", "1"), "1 alpha values for 2 axes"),
+    (("--memory", "lots"), "memory size 'lots'"),
+    (("--mesh", "100000x1", "--batch", "8", "--seq-len", "64", "--layers", "1"), "nothing can be split"),
+    (("--batch", "0"), "must be at least 1"),
+    (("--solver", "gurobi"), "unknown solver"),
+    (("--layers", "1", "--batch", "8", "--seq-len", "64", "--mesh", "2x2", "--memory", "1MB"), "needs at least"),
+])
+def test_user_errors_are_one_message(args, message):
+    result = run("intra", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout

@@ -1,0 +1,87 @@
+"""The ILP optimum equals brute-force enumeration of every strategy combination."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from meshplan import GraphBuilder, InfeasiblePlanError, IntraOptions, LogicalMesh, solve_intra
+from meshplan.cost import CostModel
+from meshplan.intra import build_intra_problem
+
+SIZES = st.sampled_from([2, 4, 8])
+
+
+@st.composite
+def small_graphs(draw):
+    """A few parameters and 2-5 ops mixing dots, elementwise, transposes, reduces, broadcasts."""
+    b = GraphBuilder("random")
+    n, k, m = draw(SIZES), draw(SIZES), draw(SIZES)
+    x = b.parameter((n, k), name="x")
+    w = b.parameter((k, m), name="w")
+    values = [b.matmul(x, w)]
+    for step in range(draw(st.integers(1, 4))):
+        v = values[-1]
+        kind = draw(st.sampled_from(["dot", "exp", "transpose", "reduce", "add_param", "dot_t"]))
+        shape = b.shape(v)
+        if kind == "dot":
+            w2 = b.parameter((shape[1], draw(SIZES)), name=f"w{step}")
+            values.append(b.matmul(v, w2))
+        elif kind == "dot_t":  # a weight-gradient-like contraction over the batch dim
+            values.append(b.dot(v, v, (0,), (0,)))
+        elif kind == "exp":
+            values.append(b.exp(v))
+        elif kind == "transpose":
+            values.append(b.transpose(v, (1, 0)))
+        elif kind == "reduce":
+            r = b.reduce(v, (draw(st.integers(0, 1)),))
+            values.append(b.broadcast(r, shape, (1,) if b.shape(r)[0] == shape[1] else (0,)))
+        else:
+            p = b.parameter(shape, name=f"p{step}")
+            values.append(b.add(v, p))
+            if draw(st.booleans()):
+                b.alias(p, values[-1])
+    b.outputs(values[-1], force_replicated=draw(st.booleans()))
+    return b.build()
+
+
+def brute_force(sg, budget):
+    best = math.inf
+    sizes = [sg.size(g) for g in sg.groups]
+    for combo in itertools.product(*(range(s) for s in sizes)):
+        choice = dict(zip(sg.groups, combo, strict=True))
+        if sg.is_feasible(choice, budget):
+            best = min(best, sg.evaluate(choice).total)
+    return best
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=small_graphs(), shape=st.sampled_from([(2, 2), (4, 1), (2, 1), (1, 2)]),
+       beta=st.tuples(st.sampled_from([1.0, 0.1]), st.sampled_from([1.0, 0.01])),
+       compute=st.booleans(), budget_fraction=st.sampled_from([None, 0.3, 0.6, 1.0]))
+def test_ilp_equals_brute_force(graph, shape, beta, compute, budget_fraction):
+    mesh = LogicalMesh(shape, (1.0, 0.5), beta)
+    assume(max(d for n in graph.nodes for d in n.shape) >= max(shape))
+    cost = CostModel(flops_per_second=50.0 if compute else None)
+    options = IntraOptions(cost=cost)
+    sg, _, _, _ = build_intra_problem(graph, mesh, options)
+    assume(math.prod(sg.size(g) for g in sg.groups) <= 4000)
+    budget = None
+    if budget_fraction is not None:
+        full = sum(graph[v].nbytes for v in range(len(graph)))
+        budget = budget_fraction * full
+    expected = brute_force(sg, budget)
+    options = options.replace(memory_budget=budget)
+    if math.isinf(expected):
+        with pytest.raises(InfeasiblePlanError):
+            solve_intra(graph, mesh, options)
+        return
+    plan = solve_intra(graph, mesh, options)
+    assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    assert plan.solve.objective == pytest.approx(plan.objective, rel=1e-6, abs=1e-6)
+    if budget is not None:
+        assert plan.peak_memory <= budget * (1 + 1e-9)
