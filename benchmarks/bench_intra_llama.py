@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import time
 
-from common import save
-
 from meshplan import IntraOptions, LogicalMesh, llama_forward, solve_intra
+
+from common import save
 
 MESH = LogicalMesh((50, 4), (1.0, 1.0), (1.0, 0.01), memory_per_device=32e9)
 BUDGETS = {"32GB": 32e9, "16GB": 16e9}  # 16 GB binds: weights must be sharded and gathered

@@ -11,6 +11,11 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from meshplan import IntraOptions, LogicalMesh, solve_intra
+from meshplan.cost import CollectiveKind
+from meshplan.sharding import StrategySpace
+
 from alpa_graphs import (
     allreduce_simplification,
     attention_forward,
@@ -19,10 +24,6 @@ from alpa_graphs import (
     reshaped_dot,
     transposed_dot,
 )
-
-from meshplan import IntraOptions, LogicalMesh, solve_intra
-from meshplan.cost import CollectiveKind
-from meshplan.sharding import StrategySpace
 
 
 def all_reduce(nbytes: float, n: int, beta: float = 1.0) -> float:
