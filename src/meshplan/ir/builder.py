@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ UNARY_OPS = frozenset({
 BINARY_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "and", "or", "rem"})
 COMPARE_DIRECTIONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod"})
+_INTEGER_DTYPES = frozenset({DType.I64, DType.I32, DType.I8, DType.U8})
 
 
 class GraphBuilder:
@@ -45,10 +47,14 @@ class GraphBuilder:
     # -- context ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def layer(self, index: int, source: str = "") -> Iterator[None]:
-        """Tag the nodes built inside the block as belonging to repeated layer `index`."""
+    def layer(self, index: int | None, source: str = "") -> Iterator[None]:
+        """Tag the nodes built inside the block as belonging to repeated layer `index`.
+
+        `index=None` builds untagged nodes (used to copy a forward node's tag, which may be none).
+        """
         saved = self._layer, self._source
-        self._layer, self._source = index, source or f"layer{index}"
+        default = f"layer{index}" if index is not None else ""
+        self._layer, self._source = index, source or default
         try:
             yield
         finally:
@@ -62,6 +68,16 @@ class GraphBuilder:
     def constant(self, shape: Sequence[int] = (), dtype: DType | str = DType.F32,
                  value: float | None = None, name: str = "") -> int:
         return self._add(OpKind.CONSTANT, (), shape, dtype, {"value": value}, name)
+
+    def full(self, shape: Sequence[int], value: float, dtype: DType | str = DType.F32, name: str = "") -> int:
+        """`value` everywhere: a scalar constant broadcast to `shape` (broadcasts take no memory)."""
+        if not tuple(shape):
+            return self.constant((), dtype, value, name)
+        return self.broadcast(self.constant((), dtype, value), shape, (), name)
+
+    def zeros(self, shape: Sequence[int], dtype: DType | str = DType.F32, name: str = "") -> int:
+        """Zeros of `shape`: a broadcast scalar constant."""
+        return self.full(shape, 0.0, dtype, name)
 
     def iota(self, shape: Sequence[int], dim: int, dtype: DType | str = DType.I32, name: str = "") -> int:
         self._check_dims("iota", (dim,), len(shape))
@@ -231,6 +247,46 @@ class GraphBuilder:
         shape = i.shape + t.shape[1:]
         return self._add(OpKind.GATHER, (table, indices), shape, t.dtype, {}, name)
 
+    def scatter_add(self, table_shape: Sequence[int], indices: int, updates: int,
+                    dtype: DType | str | None = None, name: str = "") -> int:
+        """Embedding gradient: a zero table [V, ...] with each row of `updates` added at its index.
+
+        `updates` has shape indices.shape + table_shape[1:]; the output has `table_shape`.
+        Out-of-range indices are dropped (as XLA's scatter does).
+        """
+        table_shape = tuple(int(s) for s in table_shape)
+        i, u = self._node(indices), self._node(updates)
+        where = f"scatter_add {name!r}" if name else "scatter_add"
+        if not table_shape:
+            raise GraphError(f"{where}: the table needs at least one dim (rows), got shape ()")
+        if i.dtype not in _INTEGER_DTYPES:
+            raise GraphError(f"{where}: indices {i.label} are {i.dtype}; convert them to an integer dtype")
+        expected = i.shape + table_shape[1:]
+        if u.shape != expected:
+            raise GraphError(
+                f"{where}: updates {u.label} have shape {u.shape}, but indices {i.shape} into a "
+                f"table {table_shape} need updates of shape {expected} (indices shape + table row shape)"
+            )
+        return self._add(OpKind.SCATTER_ADD, (indices, updates), table_shape, dtype or u.dtype, {}, name)
+
+    def dynamic_slice(self, x: int, starts: Sequence[int], sizes: Sequence[int], name: str = "") -> int:
+        """A `sizes` window of `x` at run-time start indices (one integer scalar node per dim).
+
+        Starts are clamped so the window stays inside `x`, as in XLA.
+        """
+        node, starts, sizes = self._node(x), tuple(starts), tuple(int(s) for s in sizes)
+        if len(starts) != node.rank or len(sizes) != node.rank:
+            raise GraphError(f"dynamic_slice of {node.label} {node.shape}: starts and sizes need {node.rank} entries")
+        for d, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+            s = self._node(start)
+            if s.shape != () or s.dtype not in _INTEGER_DTYPES:
+                raise GraphError(f"dynamic_slice of {node.label}: start of dim {d} ({s.label}) must be an "
+                                 f"integer scalar, got {s.dtype}{list(s.shape)}")
+            if not 0 <= size <= node.shape[d]:
+                raise GraphError(f"dynamic_slice of {node.label} {node.shape}: size {size} of dim {d} "
+                                 f"does not fit in [0, {node.shape[d]}]")
+        return self._add(OpKind.DYNAMIC_SLICE, (x, *starts), sizes, node.dtype, {}, name)
+
     def opaque(self, operands: Sequence[int], shape: Sequence[int], dtype: DType | str,
                op: str, name: str = "") -> int:
         """An operator meshplan has no rule for; it is planned replicated."""
@@ -264,6 +320,21 @@ class GraphBuilder:
 
     def shape(self, x: int) -> tuple[int, ...]:
         return self._node(x).shape
+
+    def __len__(self) -> int:
+        """Number of nodes built so far."""
+        return len(self._nodes)
+
+    def __bool__(self) -> bool:
+        return True  # an empty builder is still a builder (`builder or default` must not replace it)
+
+    def node(self, x: int) -> Node:
+        """The node with id `x` built so far."""
+        return self._node(x)
+
+    def rename(self, x: int, name: str) -> None:
+        """Give node `x` a new name (e.g. `grad.w` once a gradient is known to be final)."""
+        self._nodes[x] = dataclasses.replace(self._node(x), name=name)
 
     def build(self) -> Graph:
         graph = Graph(tuple(self._nodes), tuple(self._outputs), tuple(self._aliases),

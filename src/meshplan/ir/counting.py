@@ -25,6 +25,8 @@ def node_flops(graph: Graph, node: Node) -> float:
         return 2.0 * node.size * contracted
     if node.kind is OpKind.REDUCE:
         return float(graph[node.operands[0]].size)
+    if node.kind is OpKind.SCATTER_ADD:
+        return float(graph[node.operands[1]].size)  # one add per update element
     if node.kind is OpKind.ELEMENTWISE:
         if node.op in ("convert", "select", "copy"):
             return 0.0

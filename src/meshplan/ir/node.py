@@ -26,6 +26,7 @@ class OpKind(enum.Enum):
     CONCATENATE = "concatenate"
     GATHER = "gather"
     DYNAMIC_SLICE = "dynamic_slice"
+    SCATTER_ADD = "scatter_add"  # rows of updates added into a zero table at indices (embedding grads)
     OPAQUE = "opaque"
 
 

@@ -1,0 +1,123 @@
+"""Cluster: nodes x devices per node of one DeviceSpec -> sub-mesh shapes and their LogicalMesh views.
+
+Device ids are global and row-major over the physical grid: device j of node i has id
+i * devices_per_node + j, so ids within a node are consecutive.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from meshplan.cluster.devices import DeviceSpec
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """A homogeneous cluster: `nodes` hosts, each with `devices_per_node` devices of kind `device`.
+
+    Compute efficiency is not part of the cluster; the cost model applies it.
+    """
+
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+
+    def __post_init__(self) -> None:
+        for field in ("nodes", "devices_per_node"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MeshError(f"cluster {field} = {value!r} must be a positive integer, e.g. Cluster(50, 4, device)")
+        if not isinstance(self.device, DeviceSpec):
+            raise MeshError(f"cluster device must be a DeviceSpec, got {self.device!r}; use get_device('a100-80gb')")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def name(self) -> str:
+        """E.g. "50x4 v100-32gb"."""
+        return f"{self.nodes}x{self.devices_per_node} {self.device.name}"
+
+    def submesh_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Alpa's sub-mesh choices (§5.2), as (nodes, devices per node).
+
+        (1, 1), (1, 2), (1, 4), ... powers of two below M, then (1, M) even if M is not a power
+        of two, then whole nodes (k, M) for k = 2..N. These shapes can always tile the cluster.
+        """
+        m = self.devices_per_node
+        partial = [(1, 2**i) for i in range(m.bit_length()) if 2**i < m]
+        return (*partial, *((k, m) for k in range(1, self.nodes + 1)))
+
+    def logical_views(self, shape: tuple[int, int], origin: tuple[int, int] = (0, 0)) -> tuple[LogicalMesh, ...]:
+        """The 2-D logical meshes of the physical sub-mesh `shape` = (n nodes, m devices each).
+
+        With D = n * m, the views are (D // b, b) for each divisor b > 1 of m, largest b first
+        (so (n, m) comes first, then (2n, m/2), ...), then (1, D) if not already listed. Each
+        view's axis 1 stays inside a node when b divides m. Transposes are left out: (m, 1)
+        would repeat (1, m) with the axes swapped. An axis whose every group lies in one node
+        gets the intra-node alpha/beta, otherwise the inter-node ones (the slowest link of
+        its ring); a size-1 axis counts as intra. All views of a sub-mesh share its device
+        ids, row-major with the within-node index fastest, so axis 1 groups are consecutive.
+
+        Args:
+            shape: (nodes, devices per node) of the sub-mesh.
+            origin: (first node, first device within the node) of the sub-mesh.
+        """
+        ids = self._submesh_ids(shape, origin)
+        n, m = shape
+        widths = [b for b in range(m, 1, -1) if m % b == 0]
+        views = [(n * m // b, b) for b in widths]
+        if (1, n * m) not in views:
+            views.append((1, n * m))
+        return tuple(self._view(view, ids) for view in views)
+
+    def full_mesh_views(self) -> tuple[LogicalMesh, ...]:
+        """`logical_views` of the whole cluster."""
+        return self.logical_views((self.nodes, self.devices_per_node))
+
+    def _submesh_ids(self, shape: tuple[int, int], origin: tuple[int, int]) -> tuple[int, ...]:
+        """Global ids of the sub-mesh, row-major; raises MeshError if it does not fit."""
+        (n, m), (i0, j0) = shape, origin
+        fits = n >= 1 and m >= 1 and i0 >= 0 and j0 >= 0
+        if not fits or i0 + n > self.nodes or j0 + m > self.devices_per_node:
+            raise MeshError(
+                f"sub-mesh {n}x{m} at node {i0}, device {j0} does not fit cluster {self.name}; "
+                f"pick one of {self.submesh_shapes()} inside {self.nodes} nodes x {self.devices_per_node} devices"
+            )
+        return tuple((i0 + i) * self.devices_per_node + j0 + j for i in range(n) for j in range(m))
+
+    def _view(self, view: tuple[int, int], ids: tuple[int, ...]) -> LogicalMesh:
+        """One logical view of `ids`, with per-axis alpha/beta from the links its groups use."""
+        a, b = view
+        columns = [ids[j::b] for j in range(b)]  # the groups along axis 0
+        rows = [ids[k * b : (k + 1) * b] for k in range(a)]  # the groups along axis 1
+        intra = (self._in_one_node(columns), self._in_one_node(rows))
+        d = self.device
+        alpha = tuple(d.intra_latency if x else d.inter_latency for x in intra)
+        beta = tuple(d.intra_beta if x else d.inter_beta for x in intra)
+        return LogicalMesh(view, alpha, beta, memory_per_device=d.memory_bytes, device_ids=ids)
+
+    def _in_one_node(self, groups: list[tuple[int, ...]]) -> bool:
+        return all(len({i // self.devices_per_node for i in g}) == 1 for g in groups)
+
+
+_CLUSTER_RE = re.compile(r"\s*(\d+)\s*[x×*,]\s*(\d+)\s*")
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    """Parse "50x4" into (nodes, devices per node).
+
+    Raises:
+        MeshError: the text is not NODESxDEVICES or a count is zero.
+    """
+    match = _CLUSTER_RE.fullmatch(text.lower())
+    if match is None:
+        raise MeshError(f"cluster {text!r} is not NODESxDEVICES_PER_NODE; write e.g. 50x4 (50 nodes of 4 devices)")
+    nodes, per_node = int(match.group(1)), int(match.group(2))
+    if nodes < 1 or per_node < 1:
+        raise MeshError(f"cluster {text!r} needs at least 1 node and 1 device per node; write e.g. 50x4")
+    return nodes, per_node

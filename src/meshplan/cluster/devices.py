@@ -1,0 +1,146 @@
+"""Device specs: a table of accelerators by name -> DeviceSpec (peak FLOP/s, memory, links).
+
+Units: FLOP/s, bytes, bytes/s, seconds. Bandwidths are per direction and per device.
+
+Memory is the marketed HBM size read as GiB (2**30 bytes): an "80 GB" A100 has 5 HBM2e stacks
+of 16 GiB and `nvidia-smi` reports 81920 MiB. The driver and CUDA context take a few hundred
+MiB of it; memory models should keep a reserve rather than this table shrinking capacities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from meshplan.errors import MeshError
+
+GiB = 2**30
+GB_PER_S = 1e9  # bytes/s
+GBIT_PER_S = 1e9 / 8  # bytes/s
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator and the links it uses.
+
+    Attributes:
+        name: lower-case table key, e.g. "a100-80gb".
+        peak_flops: dense bf16/fp16 tensor-core FLOP/s (no sparsity).
+        memory_bytes: device memory in bytes.
+        intra_bandwidth: bytes/s per direction per device over the node's fabric (NVLink).
+        intra_latency: seconds per collective step within a node.
+        inter_bandwidth: bytes/s per direction per device across nodes (its share of the NICs).
+        inter_latency: seconds per collective step across nodes.
+        description: a short human-readable line for reports.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "memory_bytes", "intra_bandwidth", "inter_bandwidth"):
+            _check_number(self.name, field, getattr(self, field), allow_zero=False)
+        for field in ("intra_latency", "inter_latency"):
+            _check_number(self.name, field, getattr(self, field), allow_zero=True)
+
+    @property
+    def intra_beta(self) -> float:
+        """Seconds per byte within a node."""
+        return 1.0 / self.intra_bandwidth
+
+    @property
+    def inter_beta(self) -> float:
+        """Seconds per byte across nodes."""
+        return 1.0 / self.inter_bandwidth
+
+
+def _check_number(device: str, field: str, value: float, allow_zero: bool) -> None:
+    ok = isinstance(value, numbers.Real) and math.isfinite(value) and (value > 0 or (allow_zero and value == 0))
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise MeshError(f"device {device!r}: {field} = {value!r} must be a finite number {bound}")
+
+
+# Sources (dense, no sparsity; NVLink figures are the datasheets' bidirectional totals halved):
+# - V100: NVIDIA Tesla V100 datasheet (SXM2: 125 TFLOPS tensor, NVLink 300 GB/s total).
+#   Inter-node: AWS p3dn.24xlarge (8x V100-32GB) has one 100 Gb/s ENA/EFA link per node;
+#   we store its 1/8 share per GPU (12.5 Gb/s). Nodes with fewer GPUs per NIC are faster:
+#   override inter_bandwidth.
+# - A100: NVIDIA A100 Tensor Core GPU datasheet (SXM: 312 TFLOPS bf16, NVLink 600 GB/s
+#   total); DGX A100 user guide (one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU).
+# - H100: NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, NVLink 900 GB/s
+#   total); DGX H100 user guide (one 400 Gb/s NDR InfiniBand ConnectX-7 per GPU).
+# Latencies are typical orders of magnitude (NCCL step over NVLink ~ a few us, over IB ~10 us).
+_INTRA_LATENCY = 5e-6
+_INTER_LATENCY = 1e-5
+
+
+def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_gbit_s: float, desc: str) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        peak_flops=tflops * 1e12,
+        memory_bytes=memory_gib * GiB,
+        intra_bandwidth=nvlink_gb_s * GB_PER_S,
+        intra_latency=_INTRA_LATENCY,
+        inter_bandwidth=inter_gbit_s * GBIT_PER_S,
+        inter_latency=_INTER_LATENCY,
+        description=desc,
+    )
+
+
+_TABLE = (
+    _spec("v100-16gb", 125, 16, 150, 100 / 8, "V100 SXM2 16GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)"),
+    _spec("v100-32gb", 125, 32, 150, 100 / 8, "V100 SXM2 32GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)"),
+    _spec("a100-40gb", 312, 40, 300, 200, "A100 SXM 40GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU"),
+    _spec("a100-80gb", 312, 80, 300, 200, "A100 SXM 80GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU"),
+    _spec("h100-80gb", 989, 80, 450, 400, "H100 SXM 80GB, NVLink4, 400 Gb/s NDR InfiniBand per GPU"),
+)
+
+DEVICES: Mapping[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})  # read-only
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look a device up by name (case-insensitive).
+
+    Raises:
+        MeshError: the name is unknown; the message lists known names and a close match.
+    """
+    key = name.strip().lower()
+    if key in DEVICES:
+        return DEVICES[key]
+    close = difflib.get_close_matches(key, DEVICES, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise MeshError(
+        f"unknown device {name!r}; {hint}known devices: {', '.join(sorted(DEVICES))}. "
+        "For other hardware start from the closest one with device_from_overrides(get_device(...), ...)."
+    )
+
+
+def device_from_overrides(base: DeviceSpec, **fields: float | str) -> DeviceSpec:
+    """A copy of `base` with some fields replaced, e.g. `memory_bytes=24 * GiB`.
+
+    Unless `name` is given, the copy is named "<base>-custom" so reports never pass it off as
+    the table device, and `description` records the overrides.
+
+    Raises:
+        MeshError: a field name is unknown or a value is invalid.
+    """
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise MeshError(f"device override {unknown} is not a DeviceSpec field; use one of {sorted(known)}")
+    changes = ", ".join(f"{k}={v!r}" for k, v in fields.items() if k not in ("name", "description"))
+    fields.setdefault("name", f"{base.name}-custom")
+    fields.setdefault("description", f"{base.description}; overrides: {changes}" if changes else base.description)
+    return dataclasses.replace(base, **fields)

@@ -1,0 +1,256 @@
+"""A NumPy interpreter of the IR (Graph + input arrays -> the value of every node).
+
+It is the correctness oracle of the house: gradients built by `autodiff` and updates built by
+`models.optimizers` are checked by running them here. It favours clarity over speed.
+
+Numerics: each node's value is cast to the node's dtype. NumPy has no bfloat16, so bf16 values
+are held as float32 rounded to the nearest bf16 value (ties to even), which keeps the rounding
+of mixed-precision graphs visible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from meshplan.errors import GraphError
+from meshplan.ir.dtypes import DType
+from meshplan.ir.graph import Graph
+from meshplan.ir.node import Node, OpKind
+
+_NUMPY_DTYPES = {
+    DType.F64: np.float64, DType.F32: np.float32, DType.BF16: np.float32, DType.F16: np.float16,
+    DType.I64: np.int64, DType.I32: np.int32, DType.I8: np.int8, DType.U8: np.uint8, DType.PRED: np.bool_,
+}
+
+Evaluator = Callable[[Node, list[np.ndarray]], np.ndarray]
+_EVALUATORS: dict[OpKind, Evaluator] = {}
+
+
+def evaluate(graph: Graph, inputs: Mapping[str | int, Any], constants_default: float = 0.0) -> list[np.ndarray]:
+    """The value of every node of `graph`, in node order.
+
+    Args:
+        graph: the graph to run.
+        inputs: a value for every parameter, keyed by the parameter's name or id.
+        constants_default: the value of constants built without one (`value=None`).
+
+    Raises:
+        GraphError: an input is missing, unknown or mis-shaped, or the graph has an opaque op.
+    """
+    params = _bind_inputs(graph, inputs)
+    values: list[np.ndarray] = []
+    with np.errstate(all="ignore"):  # IEEE semantics (inf, nan) as on an accelerator, no warnings
+        for node in graph.nodes:
+            if node.kind is OpKind.PARAMETER:
+                value = params[node.id]
+            elif node.kind is OpKind.CONSTANT:
+                value = np.full(node.shape, constants_default if node.attr("value") is None else node.attr("value"))
+            else:
+                value = _evaluator(node)(node, [values[i] for i in node.operands])
+            values.append(cast(value, node.dtype))
+    return values
+
+
+def numpy_dtype(dtype: DType) -> type[np.generic]:
+    """The NumPy type that holds values of `dtype` (float32 for bf16)."""
+    return _NUMPY_DTYPES[dtype]
+
+
+def cast(value: Any, dtype: DType) -> np.ndarray:
+    """`value` as an array of `dtype`, rounded to bf16 precision when `dtype` is bf16."""
+    with np.errstate(all="ignore"):
+        array = np.asarray(value).astype(_NUMPY_DTYPES[dtype])
+    return _round_bf16(array) if dtype is DType.BF16 else array
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    # Round-to-nearest-even on the top 16 bits of the float32 pattern; NaNs are kept as they are.
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), x, rounded).astype(np.float32)
+
+
+def _bind_inputs(graph: Graph, inputs: Mapping[str | int, Any]) -> dict[int, np.ndarray]:
+    params = graph.parameters()
+    keys = {p.name for p in params if p.name} | {p.id for p in params}
+    unknown = [k for k in inputs if k not in keys]
+    if unknown:
+        raise GraphError(f"evaluate: inputs {unknown} name no parameter of graph {graph.name!r}; "
+                         f"its parameters are {[p.label for p in params]}")
+    bound, missing = {}, []
+    for p in params:
+        key = p.name if p.name in inputs else p.id
+        if key not in inputs:
+            missing.append(p.label)
+            continue
+        value = np.asarray(inputs[key])
+        if value.shape != p.shape:
+            raise GraphError(f"evaluate: input for parameter {p.label} has shape {value.shape}, "
+                             f"but the parameter has shape {p.shape}; pass an array of that shape")
+        bound[p.id] = value
+    if missing:
+        raise GraphError(f"evaluate: no input for parameters {missing} of graph {graph.name!r}; "
+                         "pass one array per parameter, keyed by name or id")
+    return bound
+
+
+def _evaluator(node: Node) -> Evaluator:
+    rule = _EVALUATORS.get(node.kind)
+    if rule is None:
+        raise GraphError(f"evaluate: node {node.label} has op kind {node.kind.value} ({node.op!r}), which the "
+                         "interpreter cannot run; express it with IR ops to evaluate the graph")
+    return rule
+
+
+def _register(*kinds: OpKind) -> Callable[[Evaluator], Evaluator]:
+    def decorate(rule: Evaluator) -> Evaluator:
+        for kind in kinds:
+            _EVALUATORS[kind] = rule
+        return rule
+
+    return decorate
+
+
+# -- leaves and contraction ----------------------------------------------------------------------
+
+
+@_register(OpKind.IOTA)
+def _iota(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    dim = node.attr("dim")
+    ramp = np.arange(node.shape[dim]).reshape([-1 if d == dim else 1 for d in range(node.rank)])
+    return np.broadcast_to(ramp, node.shape)
+
+
+@_register(OpKind.DOT)
+def _dot(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    lhs, rhs = args
+    lc, rc = node.attr("lhs_contracting"), node.attr("rhs_contracting")
+    lb, rb = node.attr("lhs_batch"), node.attr("rhs_batch")
+    letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    lhs_sub = [next(letters) for _ in range(lhs.ndim)]
+    rhs_sub = [next(letters) for _ in range(rhs.ndim)]
+    for ld, rd in zip(lc + lb, rc + rb, strict=True):
+        rhs_sub[rd] = lhs_sub[ld]
+    out = [lhs_sub[d] for d in lb]
+    out += [lhs_sub[d] for d in range(lhs.ndim) if d not in lc + lb]
+    out += [rhs_sub[d] for d in range(rhs.ndim) if d not in rc + rb]
+    # Accumulate in the widest of the operand and result types (a dot's preferred element type).
+    wide = np.result_type(lhs, rhs, _NUMPY_DTYPES[node.dtype])
+    return np.einsum(f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out)}", lhs.astype(wide), rhs.astype(wide))
+
+
+# -- elementwise ---------------------------------------------------------------------------------
+
+
+def _bitwise_or_logical(logical: Callable, bitwise: Callable) -> Callable:
+    return lambda *xs: logical(*xs) if xs[0].dtype == np.bool_ else bitwise(*xs)
+
+
+def _divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    if np.issubdtype(x.dtype, np.integer):  # integer division truncates toward zero, as in XLA
+        return np.sign(x) * np.sign(y) * (np.abs(x) // np.abs(y))
+    return x / y
+
+
+_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "neg": np.negative, "exp": np.exp, "log": np.log, "rsqrt": lambda x: 1 / np.sqrt(x), "sqrt": np.sqrt,
+    "tanh": np.tanh, "logistic": lambda x: 0.5 * (1 + np.tanh(0.5 * x)), "abs": np.abs, "sign": np.sign,
+    "erf": np.vectorize(math.erf, otypes=[np.float64]), "sin": np.sin, "cos": np.cos, "copy": np.copy,
+    "floor": np.floor, "ceil": np.ceil, "not": _bitwise_or_logical(np.logical_not, np.invert),
+    "square": np.square, "log1p": np.log1p, "expm1": np.expm1,
+}
+_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _divide, "max": np.maximum,
+    "min": np.minimum, "pow": np.power, "and": _bitwise_or_logical(np.logical_and, np.bitwise_and),
+    "or": _bitwise_or_logical(np.logical_or, np.bitwise_or), "rem": np.fmod,  # fmod: sign of x, as XLA
+}
+_COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+            "ge": np.greater_equal}
+
+
+@_register(OpKind.ELEMENTWISE)
+def _elementwise(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    op = node.op
+    if op == "compare":
+        return _COMPARE[node.attr("direction")](*args)
+    if op == "select":
+        return np.where(args[0], args[1], args[2])
+    if op == "convert":
+        return args[0]  # the cast to the node's dtype follows every op
+    table = _UNARY if len(args) == 1 else _BINARY
+    if op not in table:
+        raise GraphError(f"evaluate: elementwise op {op!r} of node {node.label} is unknown to the interpreter")
+    return table[op](*args)
+
+
+# -- layout --------------------------------------------------------------------------------------
+
+
+@_register(OpKind.BROADCAST)
+def _broadcast(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    dims = node.attr("dims")
+    expanded = [1] * node.rank
+    for i, d in enumerate(dims):
+        expanded[d] = args[0].shape[i]
+    return np.broadcast_to(args[0].reshape(expanded), node.shape)
+
+
+@_register(OpKind.RESHAPE)
+def _reshape(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    return args[0].reshape(node.shape)
+
+
+@_register(OpKind.TRANSPOSE)
+def _transpose(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    return np.transpose(args[0], node.attr("perm"))
+
+
+_REDUCERS = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+@_register(OpKind.REDUCE)
+def _reduce(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    return _REDUCERS[node.op](args[0], axis=node.attr("dims"))
+
+
+@_register(OpKind.SLICE)
+def _slice(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    window = tuple(slice(s, e) for s, e in zip(node.attr("start"), node.attr("limit"), strict=True))
+    return args[0][window]
+
+
+@_register(OpKind.DYNAMIC_SLICE)
+def _dynamic_slice(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    x, starts = args[0], args[1:]
+    # Clamp so the window fits, as XLA does, instead of failing on out-of-range starts.
+    first = [min(max(int(s), 0), x.shape[d] - node.shape[d]) for d, s in enumerate(starts)]
+    return x[tuple(slice(f, f + n) for f, n in zip(first, node.shape, strict=True))]
+
+
+@_register(OpKind.CONCATENATE)
+def _concatenate(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(args, axis=node.attr("dim"))
+
+
+# -- indexing ------------------------------------------------------------------------------------
+
+
+@_register(OpKind.GATHER)
+def _gather(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    table, indices = args
+    return np.take(table, indices.astype(np.int64), axis=0, mode="clip")  # XLA clamps gather indices
+
+
+@_register(OpKind.SCATTER_ADD)
+def _scatter_add(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    indices, updates = args
+    table = np.zeros(node.shape, np.result_type(updates, _NUMPY_DTYPES[node.dtype]))
+    flat = indices.reshape(-1).astype(np.int64)
+    rows = updates.reshape((flat.size, *node.shape[1:]))
+    inside = (flat >= 0) & (flat < node.shape[0])  # XLA's scatter drops out-of-range updates
+    np.add.at(table, flat[inside], rows[inside])
+    return table
