@@ -31,11 +31,18 @@ class CostModel:
             (Alpa's setting: then every device must take part in every contraction, or
             replication would look free).
         resharding: how changes of sharding between producer and consumer are priced.
+        accumulation_weight: weight of the collectives of nodes marked `accumulated`
+            (parameter gradients summed over micro-batches and synchronised once per
+            iteration): 1 / number of micro-batches when the graph is one micro-batch.
+        memory_price: cost per byte of parameter memory held per device; a positive price
+            trades time for memory (sharded weights and optimizer state) without a budget.
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
     flops_per_second: float | None = None
     resharding: ReshardingRule = ReshardingRule.EXACT
+    accumulation_weight: float = 1.0
+    memory_price: float = 0.0
 
     @property
     def compute_on(self) -> bool:

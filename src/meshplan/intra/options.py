@@ -27,6 +27,7 @@ class IntraOptions:
         solver: "highs" (default) or "cbc" (PuLP, Alpa's solver).
         time_limit: seconds the solver may run; the best plan found so far is kept.
         mip_gap: relative gap at which the solver may stop.
+        contractions_use_all_axes: see RuleConfig; None decides by whether compute is priced.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -38,6 +39,7 @@ class IntraOptions:
     solver: str = "highs"
     time_limit: float = 60.0
     mip_gap: float = 0.0
+    contractions_use_all_axes: bool | None = None
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -49,7 +51,8 @@ class IntraOptions:
 
     @property
     def rules(self) -> RuleConfig:
-        return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim)
+        return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
+                          self.contractions_use_all_axes)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

@@ -25,6 +25,8 @@ class ChosenStrategy:
     operands: tuple[ShardingSpec, ...]
     collectives: tuple[Collective, ...]
     memory: float
+    compute: float = 0.0
+    communication: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,7 @@ class Resharding:
 
     producer: str
     consumer: str
+    consumer_id: int
     src: ShardingSpec
     dst: ShardingSpec
     collectives: tuple[Collective, ...]

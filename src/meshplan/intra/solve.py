@@ -120,17 +120,18 @@ def _plan(sg: StrategyGraph, group_choice: dict[int, int], result, options: Intr
     for node in graph.nodes:
         s = sg.nodes[node.id].strategies[choice[node.id]]
         chosen.append(ChosenStrategy(node.id, node.label, node.op, node.layer, s.name, s.output, s.operands,
-                                     s.collectives, s.memory))
+                                     s.collectives, s.memory, s.compute, s.communication))
         for operand, required in zip(node.operands, s.operands, strict=True):
             produced = sg.nodes[operand].strategies[choice[operand]].output
             collectives = sg.reshard(operand, produced, required)
             if collectives:
-                reshardings.append(Resharding(graph[operand].label, node.label, produced, required, collectives))
+                reshardings.append(Resharding(graph[operand].label, node.label, node.id, produced, required,
+                                              collectives))
     for node_id in graph.force_replicated:
         produced = chosen[node_id].output
         collectives = sg.reshard(node_id, produced, ShardingSpec.replicated(produced.rank))
         if collectives:
-            reshardings.append(Resharding(graph[node_id].label, "<replicated output>", produced,
+            reshardings.append(Resharding(graph[node_id].label, "<replicated output>", node_id, produced,
                                           ShardingSpec.replicated(produced.rank), collectives))
     breakdown = sg.evaluate(group_choice)
     return IntraPlan(graph.name, sg.mesh, tuple(chosen), breakdown.total, breakdown, sg.peak_memory(group_choice),

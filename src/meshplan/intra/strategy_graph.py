@@ -28,10 +28,11 @@ class Breakdown:
     compute: float = 0.0
     communication: float = 0.0
     resharding: float = 0.0
+    penalty: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.resharding
+        return self.compute + self.communication + self.resharding + self.penalty
 
 
 @dataclass(slots=True)
@@ -102,18 +103,19 @@ class StrategyGraph:
     def evaluate(self, group_choice: dict[int, int]) -> Breakdown:
         """Exact cost of an assignment, summed node by node from the strategies themselves."""
         choice = self.node_choices(group_choice)
-        compute = communication = resharding = 0.0
+        compute = communication = resharding = penalty = 0.0
         for node in self.graph.nodes:
             strategy = self.nodes[node.id].strategies[choice[node.id]]
             compute += strategy.compute
             communication += strategy.communication
+            penalty += strategy.penalty
             for operand, required in zip(node.operands, strategy.operands, strict=True):
                 produced = self.nodes[operand].strategies[choice[operand]].output
                 resharding += self.reshard_cost(operand, produced, required)
         for node_id in self.graph.force_replicated:
             produced = self.nodes[node_id].strategies[choice[node_id]].output
             resharding += self.reshard_cost(node_id, produced, ShardingSpec.replicated(produced.rank))
-        return Breakdown(compute, communication, resharding)
+        return Breakdown(compute, communication, resharding, penalty)
 
     def peak_memory(self, group_choice: dict[int, int]) -> float:
         choice = self.node_choices(group_choice)
@@ -156,7 +158,7 @@ def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:
     node, ns = sg.graph[node_id], sg.nodes[node_id]
     g = sg.leader[node_id]
     sg.compute[g] += [s.compute for s in ns.strategies]
-    sg.communication[g] += [s.communication for s in ns.strategies]
+    sg.communication[g] += [s.communication + s.penalty for s in ns.strategies]
     for position, operand in enumerate(node.operands):
         h = sg.leader[operand]
         produced = [s.output for s in sg.nodes[operand].strategies]

@@ -332,6 +332,12 @@ class GraphBuilder:
         """The node with id `x` built so far."""
         return self._node(x)
 
+    def tag(self, x: int, **attrs: Any) -> None:
+        """Add attributes to node `x` (e.g. accumulated=True on a parameter gradient)."""
+        node = self._node(x)
+        merged = dict(node.attrs) | attrs
+        self._nodes[x] = dataclasses.replace(node, attrs=freeze_attrs(merged))
+
     def rename(self, x: int, name: str) -> None:
         """Give node `x` a new name (e.g. `grad.w` once a gradient is known to be final)."""
         self._nodes[x] = dataclasses.replace(self._node(x), name=name)

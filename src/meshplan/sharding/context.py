@@ -25,11 +25,16 @@ class RuleConfig:
         allow_replicated_parameters: keep the replicated strategy of parameters.
         force_batch_dim_to_mesh_dim: if set, contractions keep only strategies that split the
             batch dim (traced from the first parameter's dim 0) over this mesh axis.
+        contractions_use_all_axes: contractions must split work over every mesh axis; None
+            means only when compute is free (otherwise replication would look free). True
+            prunes the strategy space (much faster ILPs) at the price of never replicating a
+            contraction along an axis.
     """
 
     space: StrategySpace = StrategySpace.FULL
     allow_replicated_parameters: bool = True
     force_batch_dim_to_mesh_dim: int | None = None
+    contractions_use_all_axes: bool | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +65,15 @@ class RuleContext:
     def local_flops(self, node: Node, spec_axes: Sequence[int]) -> float:
         """FLOPs one device runs when the node's work is split over `spec_axes`."""
         return node_flops(self.graph, node) / self.mesh.axis_size(tuple(set(spec_axes)))
+
+    def communication_weight(self, node: Node) -> float:
+        """Gradient synchronisation (nodes marked `accumulated`) and the optimizer update (marked
+        `per_iteration`) run once per iteration, not once per micro-batch."""
+        once = node.attr("accumulated") or node.attr("per_iteration")
+        return self.model.accumulation_weight if once else 1.0
+
+    def compute_weight(self, node: Node) -> float:
+        return self.model.accumulation_weight if node.attr("per_iteration") else 1.0
 
     def collective(self, kind: CollectiveKind, axes: Sequence[int], nbytes: float) -> Collective:
         return self.model.collectives.collective(kind, self.mesh, axes, nbytes)

@@ -32,6 +32,7 @@ class Strategy:
         communication: cost of the collectives the strategy itself implies.
         memory: bytes of the output's local shard on one device.
         collectives: those collectives, for reports.
+        penalty: a price put on the strategy's memory (CostModel.memory_price), not a time.
     """
 
     name: str
@@ -41,10 +42,11 @@ class Strategy:
     communication: float = 0.0
     memory: float = 0.0
     collectives: tuple[Collective, ...] = ()
+    penalty: float = 0.0
 
     @property
     def cost(self) -> float:
-        return self.compute + self.communication
+        return self.compute + self.communication + self.penalty
 
 
 @dataclass(frozen=True, slots=True)

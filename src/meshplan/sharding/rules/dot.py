@@ -72,6 +72,8 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 def _full_assignments(dims: DotDims, ctx: RuleContext, require_all: bool | None = None) -> Iterator[dict]:
     # With compute priced at zero every axis must take part, or replication would look free.
     if require_all is None:
+        require_all = ctx.config.contractions_use_all_axes
+    if require_all is None:
         require_all = not ctx.model.compute_on
     for assignment in assign_axes(dims.slots(), ctx.axes, require_all=require_all):
         if all(ctx.fits(dims.size(slot), axes) for slot, axes in assignment.items()):
@@ -110,4 +112,5 @@ def _strategy(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext) -> 
     if contracted:
         name += f" (allreduce @ {''.join(map(str, sorted(contracted)))})"
     return Strategy(name, out, (lhs, rhs), compute=ctx.model.compute_cost(flops),
-                    communication=sum(c.cost for c in collectives), memory=memory, collectives=collectives)
+                    communication=sum(c.cost for c in collectives) * ctx.communication_weight(node), memory=memory,
+                    collectives=collectives)

@@ -32,8 +32,8 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
         out, required, collectives = transform(lead.output)
         strategies.append(Strategy(
             f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
-            compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())),
-            communication=sum(c.cost for c in collectives),
+            compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())) * ctx.compute_weight(node),
+            communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
             memory=ctx.local_bytes(node, out) if materialized else 0.0, collectives=collectives,
         ))
     return NodeStrategies(node.id, tuple(strategies), follows=position)
@@ -128,5 +128,22 @@ def gather_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     def transform(spec: ShardingSpec):
         out = ShardingSpec(spec.dims + ((),) * extra)
         return out, (ShardingSpec.replicated(table.rank), spec), ()
+
+    return follow(node, ctx, 1, transform)
+
+
+@register_rule(OpKind.SCATTER_ADD)
+def scatter_add_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Embedding gradient: rows of `updates` added into a table. The table's trailing dims keep
+    the updates' splits; splits of the index dims leave partial sums to all-reduce."""
+    indices = ctx.operand(node, 0)
+    lead = indices.rank
+
+    def transform(spec: ShardingSpec):
+        out = ShardingSpec(((),) + spec.dims[lead:])
+        axes = tuple(a for d in spec.dims[:lead] for a in d)
+        collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, axes, ctx.local_bytes(node, out)),) \
+            if any(ctx.mesh.shape[a] > 1 for a in axes) else ()
+        return out, (ShardingSpec(spec.dims[:lead]), spec), collectives
 
     return follow(node, ctx, 1, transform)

@@ -18,7 +18,9 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     split = [s for s in specs if not s.is_replicated]
     if ctx.config.allow_replicated_parameters or not split:
         split.append(ShardingSpec.replicated(node.rank))
-    strategies = tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s)) for s in split)
+    price = ctx.model.memory_price
+    strategies = tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s),
+                                penalty=price * ctx.local_bytes(node, s)) for s in split)
     return NodeStrategies(node.id, strategies)
 
 

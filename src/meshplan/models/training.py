@@ -1,0 +1,89 @@
+"""Training graphs of transformer pieces: forward, backward (autodiff) and gradient outputs.
+
+A pipeline stage runs some blocks, plus the embedding on the first stage and the LM head on
+the last. Each piece becomes one micro-batch graph: its input activations are parameters,
+the cotangent arriving from the next stage is a parameter too (loss = sum(out * cotangent)
+gives exactly the backward pass a pipeline stage runs), and parameter gradients are marked
+`accumulated`: they are summed over micro-batches and synchronised once per iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.ir import DType, Graph, GraphBuilder, OpKind
+from meshplan.ir.autodiff import append_backward
+from meshplan.models.blocks import block, embedding, lm_head_loss
+from meshplan.models.optimizers import append_adam
+from meshplan.models.transformer import TransformerConfig
+
+_PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceGraph:
+    """A training graph and where its forward pass ends."""
+
+    graph: Graph
+    forward_end: int  # id of the last forward node (the scalar loss)
+    weights: tuple[int, ...]  # trainable parameter ids
+    backward_end: int  # id of the last backward node; optimizer nodes follow it
+
+
+def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, seq: int,
+                         dtype: DType = DType.BF16) -> PieceGraph:
+    """Forward and backward of block `index` for one micro-batch."""
+    b = GraphBuilder(f"{cfg.name}.block{index}")
+    x = b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations")
+    first_weight = len(b)
+    with b.layer(index):
+        out = block(b, x, cfg, index)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _with_backward(b, out, [x], weights)
+
+
+def embedding_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
+                             dtype: DType = DType.BF16) -> PieceGraph:
+    b = GraphBuilder(f"{cfg.name}.embedding")
+    out, tables = embedding(b, cfg, micro_batch, seq, dtype)
+    return _with_backward(b, out, [], tables)
+
+
+def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
+                        dtype: DType = DType.BF16) -> PieceGraph:
+    b = GraphBuilder(f"{cfg.name}.head")
+    x = b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations")
+    first_weight = len(b)
+    loss = lm_head_loss(b, x, cfg)
+    weights = [n for n in range(first_weight, len(b))
+               if b.node(n).kind is OpKind.PARAMETER and b.node(n).dtype is dtype]
+    return _finish(b, loss, [x], weights)
+
+
+def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[int]) -> PieceGraph:
+    cotangent = b.parameter(b.shape(out), b.node(out).dtype, name="cotangent")
+    loss = b.reduce(b.mul(out, cotangent), tuple(range(len(b.shape(out)))), name="stage_loss")
+    return _finish(b, loss, inputs, weights)
+
+
+def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int]) -> PieceGraph:
+    """Backward pass, then a mixed-precision Adam step (fp32 master, m, v) on every weight."""
+    grads = append_backward(b, loss, [*inputs, *weights])
+    for w in weights:
+        _mark_accumulated(b, grads[w])
+    backward_end = len(b) - 1
+    updated = append_adam(b, weights, grads, master_dtype=DType.F32)
+    for node_id in range(backward_end + 1, len(b)):
+        b.tag(node_id, per_iteration=True)
+    b.outputs(*(grads[x] for x in inputs), *updated.values())
+    return PieceGraph(b.build(), loss, tuple(weights), backward_end)
+
+
+def _mark_accumulated(b: GraphBuilder, node_id: int) -> None:
+    """Tag a parameter gradient and the layout ops it passes through back to its producer."""
+    while True:
+        b.tag(node_id, accumulated=True)
+        node = b.node(node_id)
+        if node.kind not in _PASS_THROUGH or len(node.operands) != 1:
+            return
+        node_id = node.operands[0]
