@@ -33,3 +33,7 @@ class ModelSpecError(MeshplanError):
 
 class OptionsError(MeshplanError):
     """An option value is out of range or options contradict each other."""
+
+
+class PlanValidationError(MeshplanError):
+    """A plan (or plan file) is inconsistent or of an unsupported schema version."""

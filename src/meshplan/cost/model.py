@@ -36,6 +36,8 @@ class CostModel:
             iteration): 1 / number of micro-batches when the graph is one micro-batch.
         memory_price: cost per byte of parameter memory held per device; a positive price
             trades time for memory (sharded weights and optimizer state) without a budget.
+        activation_price: cost per byte of every other value; a tiny price breaks ties
+            between plans of equal time towards the one holding less memory.
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
@@ -43,6 +45,7 @@ class CostModel:
     resharding: ReshardingRule = ReshardingRule.EXACT
     accumulation_weight: float = 1.0
     memory_price: float = 0.0
+    activation_price: float = 0.0
 
     @property
     def compute_on(self) -> bool:

@@ -20,7 +20,7 @@ from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, ModelSpecError, OptionsError
 from meshplan.inter.profile import MEMORY_PRICES, profile_menu, profile_piece
 from meshplan.inter.stage_dp import pipeline_latency, plan_stages
-from meshplan.inter.stages import StageEstimate, ViewCosts, estimate_stage, latency_table
+from meshplan.inter.stages import StageEstimate, ViewCosts, best_estimate, latency_table
 from meshplan.ir import DType
 from meshplan.models.training import block_training_graph, embedding_training_graph, head_training_graph
 from meshplan.models.transformer import TransformerConfig
@@ -203,12 +203,19 @@ def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: Planner
     for shape in cluster.submesh_shapes():
         if b % shape[0]:
             continue
-        key = ("auto", b, shape, 0)
-        tasks.append((key, job, cluster, shape, 0, b, num_microbatches, options, True))
+        for index, view in enumerate(cluster.logical_views(shape)):
+            if b % view.shape[batch_axis(view)] == 0:
+                tasks.append((("view", b, shape, index), job, cluster, shape, index, b, num_microbatches,
+                              options, True))
     return tasks
 
 
-def plan_from_costs(job: TrainingJob, cluster: Cluster, b: int, per_shape: list[ViewCosts | None],
+def views_by_shape(cluster: Cluster, b: int, priced: dict) -> list[list[ViewCosts]]:
+    return [[costs for (_, bb, shape, _), costs in priced.items() if bb == b and shape == s and costs is not None]
+            for s in cluster.submesh_shapes()]
+
+
+def plan_from_costs(job: TrainingJob, cluster: Cluster, b: int, per_shape: list[list[ViewCosts]],
                     options: PlannerOptions, stats: PlannerStats) -> PipelinePlan | None:
     """Run the stage DP on priced views and turn its answer into stage estimates."""
     num_microbatches = job.global_batch // b
@@ -223,46 +230,54 @@ def plan_from_costs(job: TrainingJob, cluster: Cluster, b: int, per_shape: list[
         return None
     stages = []
     for j, slot in enumerate(found.stages):
-        estimate = estimate_stage(per_shape[slot.submesh], slot.first, slot.last, len(found.stages) - j,
-                                  num_microbatches, capacity)
+        estimate = best_estimate(per_shape[slot.submesh], slot.first, slot.last, len(found.stages) - j,
+                                 num_microbatches, capacity)
         stages.append(estimate)
-    return _pipeline(stages, b, num_microbatches)
+    return pipeline_plan(stages, b, num_microbatches)
 
 
-def _pipeline(stages: list[StageEstimate], b: int, num_microbatches: int, label: str = "auto") -> PipelinePlan:
+def pipeline_plan(stages: list[StageEstimate], b: int, num_microbatches: int, label: str = "auto") -> PipelinePlan:
     latency = pipeline_latency([s.latency for s in stages], num_microbatches)
     sync = max(s.sync_time + s.update_time for s in stages)
     return PipelinePlan(tuple(stages), b, num_microbatches, latency + sync, label)
 
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
-                  progress: Progress | None = None, stats: PlannerStats | None = None) -> PipelinePlan:
+                  progress: Progress | None = None, stats: PlannerStats | None = None,
+                  priced: dict | None = None) -> PipelinePlan:
     """The fastest pipeline plan over the candidate micro-batch sizes.
+
+    Args:
+        priced: a cache of priced views, filled in place (baselines reuse it).
 
     Raises:
         InfeasiblePlanError: no plan fits in the devices' memory (the message says how much
-            the leanest single-stage plan needs and what to change).
+            the model needs and what to change).
     """
     options = options or PlannerOptions()
     stats = stats if stats is not None else PlannerStats()
-    sizes = options.microbatch_sizes or microbatch_candidates(job.global_batch, cluster.nodes,
-                                                              options.max_microbatch_sizes)
-    _check_sizes(job, sizes)
+    priced = priced if priced is not None else {}
     best = None
-    for b in sizes:
+    for b in planned_microbatch_sizes(job, cluster, options):
         start = time.perf_counter()
-        tasks = auto_view_tasks(job, cluster, b, options)
-        priced = run_tasks(tasks, options.workers, progress, f"pricing sub-meshes (micro-batch {b})")
+        tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t[0] not in priced]
+        priced.update(run_tasks(tasks, options.workers, progress, f"pricing sub-meshes, micro-batch {b}"))
         stats.timed("intra-op ILPs", start)
-        stats.ilp_solves += len(tasks) * (2 * len({job.model.is_moe_layer(i) for i in range(job.model.layers)}) + 2)
-        per_shape = [priced.get(("auto", b, shape, 0)) for shape in cluster.submesh_shapes()]
-        plan = plan_from_costs(job, cluster, b, per_shape, options, stats)
+        stats.ilp_solves += len(tasks)
+        plan = plan_from_costs(job, cluster, b, views_by_shape(cluster, b, priced), options, stats)
         stats.candidates += 1
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best = plan
     if best is None:
         raise InfeasiblePlanError(_no_fit_message(job, cluster, options))
     return best
+
+
+def planned_microbatch_sizes(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> tuple[int, ...]:
+    sizes = options.microbatch_sizes or microbatch_candidates(job.global_batch, cluster.nodes,
+                                                              options.max_microbatch_sizes)
+    _check_sizes(job, sizes)
+    return tuple(sizes)
 
 
 def _check_sizes(job: TrainingJob, sizes: Iterable[int]) -> None:

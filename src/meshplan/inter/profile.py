@@ -62,6 +62,9 @@ ZERO_COST = PieceCost(0, 0, 0, 0, 0, 0, 0, 0, 0)
 # Memory prices tried per mesh, relative to (time / static memory) of the fastest plan: 0 gives
 # the fastest plan, larger prices plans that shard weights and optimizer state further.
 MEMORY_PRICES = (0.0, 1.0, 16.0)
+# Seconds per byte charged on every value: breaks ties between equally fast plans towards the
+# one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
+ACTIVATION_PRICE = 1e-14
 
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
@@ -70,7 +73,8 @@ def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float,
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
     read its costs off the plan."""
     options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
-                                          accumulation_weight=1.0 / num_microbatches, memory_price=memory_price),
+                                          accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
+                                          activation_price=ACTIVATION_PRICE),
                            force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
     return piece_cost(piece, plan, num_microbatches), plan

@@ -119,16 +119,36 @@ def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, nu
     return best
 
 
-def latency_table(per_shape: list[ViewCosts | None], num_layers: int, num_microbatches: int,
+def leanest_memory(costs: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int) -> float:
+    """The least memory any (menu, recomputation) choice of the stage needs."""
+    inflight = min(stages_left, num_microbatches)
+    needs = []
+    for menu in range(max(len(m) for m in costs.blocks)):
+        cost = range_cost(costs, menu, first, last)
+        largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
+        transient = _largest(costs, menu, 0, len(costs.blocks) - 1, "transient_bytes")
+        needs += [stage_memory(cost, inflight, r, largest, transient) for r in RECOMPUTE_CHOICES]
+    return min(needs)
+
+
+def best_estimate(views: list[ViewCosts], first: int, last: int, stages_left: int, num_microbatches: int,
+                  capacity: float) -> StageEstimate | None:
+    """The fastest fitting estimate over the logical views of one sub-mesh."""
+    found = [estimate_stage(v, first, last, stages_left, num_microbatches, capacity) for v in views]
+    found = [e for e in found if e is not None]
+    return min(found, key=lambda e: e.latency) if found else None
+
+
+def latency_table(per_shape: list[list[ViewCosts]], num_layers: int, num_microbatches: int,
                   capacity: float) -> np.ndarray:
-    """[first, last, sub-mesh, stages left] -> best stage latency (inf: no fitting choice)."""
+    """[first, last, sub-mesh, stages left] -> best stage latency over views, menu entries and
+    recomputation (inf: nothing fits)."""
     max_stages = num_layers
     table = np.full((num_layers, num_layers, len(per_shape), max_stages + 1), np.inf)
-    for m, costs in enumerate(per_shape):
-        if costs is None:
-            continue
-        for menu in range(max(len(x) for x in costs.blocks)):
-            _fill_menu(table, m, costs, menu, num_microbatches, capacity)
+    for m, views in enumerate(per_shape):
+        for costs in views:
+            for menu in range(max(len(x) for x in costs.blocks)):
+                _fill_menu(table, m, costs, menu, num_microbatches, capacity)
     return table
 
 

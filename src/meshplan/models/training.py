@@ -30,11 +30,17 @@ class PieceGraph:
     backward_end: int  # id of the last backward node; optimizer nodes follow it
 
 
+def _batch_input(b: GraphBuilder, x: int) -> int:
+    """Mark an input that arrives split over the batch from the neighbouring stage."""
+    b.tag(x, batch_input=True)
+    return x
+
+
 def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, seq: int,
                          dtype: DType = DType.BF16) -> PieceGraph:
     """Forward and backward of block `index` for one micro-batch."""
     b = GraphBuilder(f"{cfg.name}.block{index}")
-    x = b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations")
+    x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
     first_weight = len(b)
     with b.layer(index):
         out = block(b, x, cfg, index)
@@ -46,22 +52,28 @@ def embedding_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
                              dtype: DType = DType.BF16) -> PieceGraph:
     b = GraphBuilder(f"{cfg.name}.embedding")
     out, tables = embedding(b, cfg, micro_batch, seq, dtype)
+    _batch_input(b, _find(b, "tokens"))
     return _with_backward(b, out, [], tables)
 
 
 def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
                         dtype: DType = DType.BF16) -> PieceGraph:
     b = GraphBuilder(f"{cfg.name}.head")
-    x = b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations")
+    x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
     first_weight = len(b)
     loss = lm_head_loss(b, x, cfg)
     weights = [n for n in range(first_weight, len(b))
                if b.node(n).kind is OpKind.PARAMETER and b.node(n).dtype is dtype]
+    _batch_input(b, _find(b, "labels"))
     return _finish(b, loss, [x], weights)
 
 
+def _find(b: GraphBuilder, name: str) -> int:
+    return next(i for i in range(len(b)) if b.node(i).name == name)
+
+
 def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[int]) -> PieceGraph:
-    cotangent = b.parameter(b.shape(out), b.node(out).dtype, name="cotangent")
+    cotangent = _batch_input(b, b.parameter(b.shape(out), b.node(out).dtype, name="cotangent"))
     loss = b.reduce(b.mul(out, cotangent), tuple(range(len(b.shape(out)))), name="stage_loss")
     return _finish(b, loss, inputs, weights)
 

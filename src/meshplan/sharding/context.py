@@ -45,6 +45,7 @@ class RuleContext:
     config: RuleConfig
     depth: tuple[int, ...]
     batch_dims: dict[int, int]
+    constant_like: frozenset[int] = frozenset()  # values computed from constants alone
     done: dict[int, NodeStrategies] = field(default_factory=dict)
 
     @property

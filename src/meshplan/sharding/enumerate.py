@@ -28,7 +28,7 @@ def enumerate_strategies(graph: Graph, mesh: LogicalMesh, model: CostModel,
     batch_dims = {}
     if config.force_batch_dim_to_mesh_dim is not None and graph.parameters():
         batch_dims = trace_batch_dims(graph, graph.parameters()[0].id, 0)
-    ctx = RuleContext(graph, mesh, model, config, node_depths(graph), batch_dims)
+    ctx = RuleContext(graph, mesh, model, config, node_depths(graph), batch_dims, constant_nodes(graph))
     unknown: set[str] = set()
     for node in graph.nodes:
         rule = rule_for(node.kind)
@@ -41,6 +41,16 @@ def enumerate_strategies(graph: Graph, mesh: LogicalMesh, model: CostModel,
             f"no sharding rule for {', '.join(sorted(unknown))}: planned replicated "
             "(correct, but may cost memory and communication)", UnsupportedOpWarning, stacklevel=2)
     return tuple(ctx.done[n.id] for n in graph.nodes)
+
+
+def constant_nodes(graph: Graph) -> frozenset[int]:
+    """Nodes whose value depends on no parameter (constants, iotas and ops on them only)."""
+    found: set[int] = set()
+    for node in graph.nodes:
+        if node.kind in (OpKind.CONSTANT, OpKind.IOTA) or (
+                node.kind is not OpKind.PARAMETER and node.operands and all(o in found for o in node.operands)):
+            found.add(node.id)
+    return frozenset(found)
 
 
 def node_depths(graph: Graph) -> tuple[int, ...]:

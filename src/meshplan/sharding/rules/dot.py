@@ -113,4 +113,4 @@ def _strategy(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext) -> 
         name += f" (allreduce @ {''.join(map(str, sorted(contracted)))})"
     return Strategy(name, out, (lhs, rhs), compute=ctx.model.compute_cost(flops),
                     communication=sum(c.cost for c in collectives) * ctx.communication_weight(node), memory=memory,
-                    collectives=collectives)
+                    collectives=collectives, penalty=ctx.model.activation_price * memory)

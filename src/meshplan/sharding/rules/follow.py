@@ -35,14 +35,16 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
             compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())) * ctx.compute_weight(node),
             communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
             memory=ctx.local_bytes(node, out) if materialized else 0.0, collectives=collectives,
+            penalty=ctx.model.activation_price * ctx.local_bytes(node, out) if materialized else 0.0,
         ))
     return NodeStrategies(node.id, tuple(strategies), follows=position)
 
 
 def deepest_operand(node: Node, ctx: RuleContext) -> int:
-    """Position of the operand furthest from the inputs (the first on ties)."""
-    depths = [ctx.depth[o] for o in node.operands]
-    return depths.index(max(depths))
+    """Position of the operand to follow: not a constant (a broadcast scalar would pin the
+    result replicated), then the one furthest from the inputs, then the first."""
+    keys = [(o not in ctx.constant_like, ctx.depth[o]) for o in node.operands]
+    return keys.index(max(keys))
 
 
 @register_rule(OpKind.ELEMENTWISE)

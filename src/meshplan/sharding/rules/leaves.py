@@ -16,6 +16,13 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     specs = _alpa_parameter_specs(node, ctx) if ctx.config.space is StrategySpace.ALPA \
         else _full_parameter_specs(node, ctx)
     split = [s for s in specs if not s.is_replicated]
+    forced = ctx.config.force_batch_dim_to_mesh_dim
+    if forced is not None and node.attr("batch_input"):
+        # Inputs that arrive split over the batch (activations, their gradients, tokens).
+        on_axis = [s for s in split if s.dims and forced in s.dims[0]]
+        if on_axis:
+            return NodeStrategies(node.id, tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s))
+                                                 for s in on_axis))
     if ctx.config.allow_replicated_parameters or not split:
         split.append(ShardingSpec.replicated(node.rank))
     price = ctx.model.memory_price
@@ -51,6 +58,8 @@ def _spec_name(spec: ShardingSpec) -> str:
 
 @register_rule(OpKind.CONSTANT, OpKind.IOTA)
 def replicated_leaf(node: Node, ctx: RuleContext) -> NodeStrategies:
-    """Constants are made on every device; any split of them is free slicing later."""
+    """Constants are made on every device; any split of them is free slicing later. An iota is
+    generated inside the kernels that read it (compilers fuse it), so it holds no memory."""
     spec = ShardingSpec.replicated(node.rank)
-    return NodeStrategies(node.id, (Strategy("R", spec, (), memory=ctx.local_bytes(node, spec)),))
+    memory = 0.0 if node.kind is OpKind.IOTA else ctx.local_bytes(node, spec)
+    return NodeStrategies(node.id, (Strategy("R", spec, (), memory=memory),))

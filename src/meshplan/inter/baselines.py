@@ -1,0 +1,142 @@
+"""Baselines priced by the same cost model: data parallel, ZeRO-2, Megatron-style (tp, pp, dp).
+
+Each baseline is a fixed family of plans evaluated with the same per-piece ILP prices and
+stage estimates as the auto plan, so the comparison isolates the search, not the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.inter.planner import (
+    PipelinePlan,
+    PlannerOptions,
+    TrainingJob,
+    pipeline_plan,
+    run_tasks,
+)
+from meshplan.inter.stages import ViewCosts, estimate_stage, leanest_memory
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """A baseline's best plan, or why none fits."""
+
+    name: str
+    plan: PipelinePlan | None
+    reason: str = ""
+    config: str = ""
+
+
+def megatron_grid(cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) with tp inside a node and each stage on whole nodes or part of one node."""
+    points = []
+    devices, per_node = cluster.num_devices, cluster.devices_per_node
+    for tp in (t for t in range(1, per_node + 1) if per_node % t == 0):
+        for pp in range(1, devices // tp + 1):
+            if devices % (tp * pp) == 0 and _stage_shape(cluster, devices // pp) is not None:
+                points.append((tp, pp, devices // (tp * pp)))
+    return points
+
+
+def _stage_shape(cluster: Cluster, devices: int) -> tuple[int, int] | None:
+    m = cluster.devices_per_node
+    if devices >= m and devices % m == 0:
+        return (devices // m, m)
+    if devices < m and (1, devices) in cluster.submesh_shapes():
+        return (1, devices)
+    return None
+
+
+def _view_index(cluster: Cluster, shape: tuple[int, int], logical: tuple[int, int]) -> int | None:
+    for index, view in enumerate(cluster.logical_views(shape)):
+        if view.shape == logical or (logical[0] == 1 and view.shape == (1, logical[1])):
+            return index
+    return None
+
+
+def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...], options: PlannerOptions,
+                      priced: dict, progress=None) -> Baseline:
+    """The best feasible (tp, pp, dp) grid point: equal layer counts per stage, data parallel over
+    axis 0 and the intra-op ILP free on the tensor-parallel axis."""
+    tasks, points = [], []
+    for tp, pp, dp in megatron_grid(cluster):
+        if pp > job.model.layers:
+            continue
+        shape = _stage_shape(cluster, cluster.num_devices // pp)
+        index = _view_index(cluster, shape, (dp, tp))
+        if index is None:
+            continue
+        for b in sizes:
+            if b % dp:
+                continue
+            key = ("view", b, shape, index)
+            points.append((tp, pp, dp, b, key))
+            if key not in priced:
+                tasks.append((key, job, cluster, shape, index, b, job.global_batch // b, options, True))
+    priced.update(run_tasks(list({t[0]: t for t in tasks}.values()), options.workers, progress,
+                            "pricing Megatron grid"))
+    best, best_config = None, ""
+    for tp, pp, dp, b, key in points:
+        costs = priced.get(key)
+        plan = _fixedpipeline_plan(job, cluster, costs, pp, b, options) if costs else None
+        if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
+            best, best_config = plan, f"tp={tp} pp={pp} dp={dp} micro-batch={b}"
+    if best is None:
+        return Baseline("megatron", None, "no (tp, pp, dp) grid point fits in memory")
+    return Baseline("megatron", replace(best, label="megatron"), config=best_config)
+
+
+def _fixedpipeline_plan(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: int, b: int,
+                    options: PlannerOptions) -> PipelinePlan | None:
+    layers, num_microbatches = job.model.layers, job.global_batch // b
+    capacity = cluster.device.memory_bytes * options.memory_fraction
+    bounds = [round(j * layers / pp) for j in range(pp + 1)]
+    stages = []
+    for j in range(pp):
+        estimate = estimate_stage(costs, bounds[j], bounds[j + 1] - 1, pp - j, num_microbatches, capacity)
+        if estimate is None:
+            return None
+        stages.append(estimate)
+    return pipeline_plan(stages, b, num_microbatches)
+
+
+def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,
+                           priced: dict) -> tuple[Baseline, Baseline]:
+    """Pure data parallelism over every device (weights replicated) and ZeRO-2 (gradients and
+    Adam state sharded over all devices, the same communication volume)."""
+    devices = cluster.num_devices
+    shape = (cluster.nodes, cluster.devices_per_node)
+    index = _view_index(cluster, shape, (1, devices))
+    b = next((d for d in range(devices, job.global_batch + 1, devices) if job.global_batch % d == 0), None)
+    if index is None or b is None:
+        reason = f"the global batch {job.global_batch} cannot be split evenly over {devices} devices"
+        return Baseline("data-parallel", None, reason), Baseline("zero-2", None, reason)
+    key = ("dp", b, shape, index)
+    if key not in priced:
+        task = (key, job, cluster, shape, index, b, job.global_batch // b, options, False)
+        priced.update(run_tasks([task], 1, None, "pricing data parallel"))
+    costs = priced[key]
+    num_microbatches = job.global_batch // b
+    capacity = cluster.device.memory_bytes * options.memory_fraction
+    config = f"dp={devices} micro-batch={b} ({b // devices} per device)"
+    last = job.model.layers - 1
+    plain = estimate_stage(costs, 0, last, 1, num_microbatches, capacity)
+    # ZeRO-2 keeps the bf16 weights (2 of 16 bytes per parameter) and shards the other 14.
+    saved = _static(costs) * (1 - (2 + 14 / devices) / 16)
+    zero = estimate_stage(costs, 0, last, 1, num_microbatches, capacity + saved)
+    need = leanest_memory(costs, 0, last, 1, num_microbatches)
+    results = []
+    for name, stage, extra in (("data-parallel", plain, 0.0), ("zero-2", zero, saved)):
+        if stage is None:
+            results.append(Baseline(name, None, f"needs {(need - extra) / 1e9:.1f} GB per device, "
+                                                f"{capacity / 1e9:.1f} GB usable", config))
+        else:
+            stage = replace(stage, memory=stage.memory - extra)
+            results.append(Baseline(name, pipeline_plan([stage], b, num_microbatches, name), config=config))
+    return results[0], results[1]
+
+
+def _static(costs: ViewCosts) -> float:
+    return sum(m[0].static_bytes for m in costs.blocks) + costs.embedding.static_bytes + costs.head.static_bytes
