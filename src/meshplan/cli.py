@@ -96,6 +96,78 @@ def intra(
         print_intra_plan(plan, Console(), extra)
 
 
+@app.command()
+@user_errors
+def simulate(
+    model: Annotated[str, typer.Option(help="Model preset (e.g. llama2-13b) or a config.json path.")] = "llama2-13b",
+    cluster: Annotated[str, typer.Option(help="Nodes x devices per node, e.g. 50x4.")] = "50x4",
+    device: Annotated[str, typer.Option(help="Device type, e.g. v100-32gb, a100-80gb, h100-80gb.")] = "v100-32gb",
+    memory: Annotated[str, typer.Option(help="Override memory per device, e.g. 32GB.")] = "",
+    global_batch: Annotated[int, typer.Option(help="Sequences per iteration.")] = 1000,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
+    microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
+    efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s kernels sustain.")] = 0.5,
+    workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
+    baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
+) -> None:
+    """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
+    from meshplan.cluster.cluster import Cluster, parse_cluster
+    from meshplan.cluster.devices import device_from_overrides, get_device
+    from meshplan.inter.planner import PlannerOptions, TrainingJob
+    from meshplan.models.transformer import model_config
+    from meshplan.report.simulation_text import print_simulation
+    from meshplan.simulate import simulate as run_simulation
+
+    spec = get_device(device)
+    if memory:
+        spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
+    nodes, per_node = parse_cluster(cluster)
+    options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes))
+    job = TrainingJob(model_config(model), global_batch, seq_len)
+    with _progress(enabled=not json_out) as progress:
+        sim = run_simulation(job, Cluster(nodes, per_node, spec), options, progress, baselines)
+    data = sim.to_dict()
+    if out:
+        write_json_atomic(out, data)
+    if json_out:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        print_simulation(sim, Console())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise MeshplanError(f"--microbatch-sizes {text!r} is not a list of integers; write e.g. 4,8,16") from None
+
+
+class _progress:
+    """A rich progress bar on stderr fed by the planner's (label, done, total) callback."""
+
+    def __init__(self, enabled: bool) -> None:
+        from rich.progress import Progress
+
+        self.bar = Progress(console=err, transient=True, disable=not enabled)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if label not in self.tasks:
+            self.tasks[label] = self.bar.add_task(label, total=total)
+        self.bar.update(self.tasks[label], completed=done)
+
+
 def _mesh(shape: str, alpha: str, beta: str, memory: str) -> LogicalMesh:
     budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
     return LogicalMesh(parse_mesh_shape(shape), parse_floats(alpha, "--mesh-alpha"),

@@ -34,6 +34,7 @@ class TrainingJob:
     global_batch: int
     seq_len: int
     dtype: DType = DType.BF16
+    optimizer: str = "adam"
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -126,10 +127,11 @@ def microbatch_candidates(global_batch: int, nodes: int, limit: int) -> tuple[in
 
 
 @functools.lru_cache(maxsize=64)
-def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType):
+def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
     kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
-    blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype) for moe in kinds}
-    return blocks, embedding_training_graph(model, b, seq, dtype), head_training_graph(model, b, seq, dtype)
+    blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
+    return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
+            head_training_graph(model, b, seq, dtype, optimizer))
 
 
 def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:
@@ -142,7 +144,7 @@ def price_view(job: TrainingJob, cluster: Cluster, shape: tuple[int, int], view_
     mesh = cluster.logical_views(shape)[view_index]
     flops = cluster.device.peak_flops * options.efficiency
     axis = batch_axis(mesh)
-    blocks, embed, head = _pieces(job.model, b, job.seq_len, job.dtype)
+    blocks, embed, head = _pieces(job.model, b, job.seq_len, job.dtype, job.optimizer)
     menus = {moe: (profile_menu(g, mesh, flops, num_microbatches, MEMORY_PRICES[:2], axis) if lean
                    else (profile_piece(g, mesh, flops, num_microbatches, force_batch_axis=axis)[0],))
              for moe, g in blocks.items()}

@@ -113,10 +113,17 @@ def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, nu
             if memory > capacity:
                 continue
             latency = stage_latency(cost, recompute, transfer)
-            if best is None or latency < best.latency:
-                best = StageEstimate(first, last, costs.shape, costs.view, menu, recompute, latency,
+            estimate = StageEstimate(first, last, costs.shape, costs.view, menu, recompute, latency,
                                      cost.sync_time, cost.update_time, memory, inflight, cost.flops)
+            if best is None or stage_key(estimate, num_microbatches) < stage_key(best, num_microbatches):
+                best = estimate
     return best
+
+
+def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
+    """What the DP minimises per stage: the micro-batch latency plus this stage's share of its
+    once-per-iteration gradient sync and update (exact for one stage, close for several)."""
+    return estimate.latency + (estimate.sync_time + estimate.update_time) / num_microbatches
 
 
 def leanest_memory(costs: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int) -> float:
@@ -136,7 +143,7 @@ def best_estimate(views: list[ViewCosts], first: int, last: int, stages_left: in
     """The fastest fitting estimate over the logical views of one sub-mesh."""
     found = [estimate_stage(v, first, last, stages_left, num_microbatches, capacity) for v in views]
     found = [e for e in found if e is not None]
-    return min(found, key=lambda e: e.latency) if found else None
+    return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None
 
 
 def latency_table(per_shape: list[list[ViewCosts]], num_layers: int, num_microbatches: int,
@@ -157,7 +164,7 @@ def _fill_menu(table: np.ndarray, m: int, costs: ViewCosts, menu: int, num_micro
     """Vectorised over (first, last, stages left) for one menu entry."""
     k_layers = len(costs.blocks)
     entries = [_entry(costs.blocks[k], menu) for k in range(k_layers)]
-    fields = ("time", "forward_time", "static_bytes", "activation_bytes", "input_bytes")
+    fields = ("time", "forward_time", "sync_time", "update_time", "static_bytes", "activation_bytes", "input_bytes")
     prefix = {f: np.concatenate([[0.0], np.cumsum([getattr(e, f) for e in entries])]) for f in fields}
     first = np.arange(k_layers)[:, None]
     last = np.arange(k_layers)[None, :]
@@ -181,6 +188,7 @@ def _fill_menu(table: np.ndarray, m: int, costs: ViewCosts, menu: int, num_micro
         else:
             memory = sums["static_bytes"][..., None] + inflight * sums["activation_bytes"][..., None]
             latency = sums["time"] + transfer
+        latency = latency + (sums["sync_time"] + sums["update_time"]) / num_microbatches  # see stage_key
         memory = memory + transient
         ok = (memory <= capacity) & valid[..., None]
         ok[:, :, 0] = False

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.errors import ModelSpecError
 from meshplan.ir import DType, Graph, GraphBuilder, OpKind
 from meshplan.ir.autodiff import append_backward
 from meshplan.models.blocks import block, embedding, lm_head_loss
-from meshplan.models.optimizers import append_adam
+from meshplan.models.optimizers import append_adam, append_sgd
 from meshplan.models.transformer import TransformerConfig
 
 _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
@@ -36,8 +37,11 @@ def _batch_input(b: GraphBuilder, x: int) -> int:
     return x
 
 
+OPTIMIZERS = ("adam", "sgd")
+
+
 def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, seq: int,
-                         dtype: DType = DType.BF16) -> PieceGraph:
+                         dtype: DType = DType.BF16, optimizer: str = "adam") -> PieceGraph:
     """Forward and backward of block `index` for one micro-batch."""
     b = GraphBuilder(f"{cfg.name}.block{index}")
     x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
@@ -45,19 +49,19 @@ def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, s
     with b.layer(index):
         out = block(b, x, cfg, index)
     weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
-    return _with_backward(b, out, [x], weights)
+    return _with_backward(b, out, [x], weights, optimizer)
 
 
 def embedding_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
-                             dtype: DType = DType.BF16) -> PieceGraph:
+                             dtype: DType = DType.BF16, optimizer: str = "adam") -> PieceGraph:
     b = GraphBuilder(f"{cfg.name}.embedding")
     out, tables = embedding(b, cfg, micro_batch, seq, dtype)
     _batch_input(b, _find(b, "tokens"))
-    return _with_backward(b, out, [], tables)
+    return _with_backward(b, out, [], tables, optimizer)
 
 
 def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
-                        dtype: DType = DType.BF16) -> PieceGraph:
+                        dtype: DType = DType.BF16, optimizer: str = "adam") -> PieceGraph:
     b = GraphBuilder(f"{cfg.name}.head")
     x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
     first_weight = len(b)
@@ -65,26 +69,31 @@ def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
     weights = [n for n in range(first_weight, len(b))
                if b.node(n).kind is OpKind.PARAMETER and b.node(n).dtype is dtype]
     _batch_input(b, _find(b, "labels"))
-    return _finish(b, loss, [x], weights)
+    return _finish(b, loss, [x], weights, optimizer)
 
 
 def _find(b: GraphBuilder, name: str) -> int:
     return next(i for i in range(len(b)) if b.node(i).name == name)
 
 
-def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[int]) -> PieceGraph:
+def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[int],
+                   optimizer: str) -> PieceGraph:
     cotangent = _batch_input(b, b.parameter(b.shape(out), b.node(out).dtype, name="cotangent"))
     loss = b.reduce(b.mul(out, cotangent), tuple(range(len(b.shape(out)))), name="stage_loss")
-    return _finish(b, loss, inputs, weights)
+    return _finish(b, loss, inputs, weights, optimizer)
 
 
-def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int]) -> PieceGraph:
-    """Backward pass, then a mixed-precision Adam step (fp32 master, m, v) on every weight."""
+def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], optimizer: str) -> PieceGraph:
+    """Backward pass, then the optimizer step on every weight: mixed-precision Adam (fp32
+    master copy, m, v) or plain SGD."""
+    if optimizer not in OPTIMIZERS:
+        raise ModelSpecError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     grads = append_backward(b, loss, [*inputs, *weights])
     for w in weights:
         _mark_accumulated(b, grads[w])
     backward_end = len(b) - 1
-    updated = append_adam(b, weights, grads, master_dtype=DType.F32)
+    updated = append_adam(b, weights, grads, master_dtype=DType.F32) if optimizer == "adam" \
+        else append_sgd(b, weights, grads)
     for node_id in range(backward_end + 1, len(b)):
         b.tag(node_id, per_iteration=True)
     b.outputs(*(grads[x] for x in inputs), *updated.values())

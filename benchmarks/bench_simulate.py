@@ -1,0 +1,47 @@
+"""Plan LLaMA2-13B training on 50x4 V100-32GB (global batch 1000 x 4096 tokens), as the default
+`meshplan simulate` does; record planner time per phase and the predicted throughput of the
+auto plan and the baselines. Writes benchmarks/results/simulate_llama2_13b.json.
+Run: python benchmarks/bench_simulate.py
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+from meshplan.cluster import Cluster, get_device
+from meshplan.inter.planner import PlannerOptions, TrainingJob
+from meshplan.models.transformer import PRESETS
+from meshplan.simulate import simulate
+
+from common import save
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    start = time.perf_counter()
+    job = TrainingJob(PRESETS["llama2-13b"], global_batch=1000, seq_len=4096)
+    sim = simulate(job, Cluster(50, 4, get_device("v100-32gb")), PlannerOptions())
+    total = time.perf_counter() - start
+    case = {"name": "llama2-13b-50x4-v100-32gb", "planner_total_s": total, "phases_s": sim.phases,
+            "auto": _prediction(sim.plan),
+            "stages": [[s.first_layer, s.last_layer, list(s.submesh), list(s.logical_mesh), s.recompute]
+                       for s in sim.plan.stages],
+            "microbatch_size": sim.plan.microbatch_size,
+            "baselines": {b.name: (_prediction(b.plan) if b.plan else {"fits": False, "reason": b.reason})
+                          | {"config": b.config} for b in sim.baselines}}
+    print(f"planner {total:.1f} s {sim.phases}")
+    print(f"auto: {case['auto']}")
+    for name, result in case["baselines"].items():
+        print(f"{name}: {result}")
+    print("wrote", save("simulate_llama2_13b", [case]))
+
+
+def _prediction(plan) -> dict:
+    p = plan.prediction
+    return {"fits": True, "iteration_time_s": p.iteration_time_s, "tokens_per_s": p.tokens_per_s,
+            "tflops_per_device": p.tflops_per_device, "mfu": p.mfu, "peak_memory_gb": p.peak_memory_bytes / 1e9}
+
+
+if __name__ == "__main__":
+    main()

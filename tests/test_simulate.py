@@ -1,0 +1,121 @@
+"""End to end: models, planning, simulation, baselines, plan JSON and the `simulate` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshplan import InfeasiblePlanError, ModelSpecError
+from meshplan.cluster import Cluster, get_device
+from meshplan.inter.planner import PlannerOptions, TrainingJob, microbatch_candidates
+from meshplan.models.transformer import PRESETS, load_hf_config, model_config
+from meshplan.plan import TrainingPlan
+from meshplan.simulate import simulate
+
+SMALL = PRESETS["gpt3-125m"].replace(layers=4)
+
+
+@pytest.fixture(scope="module")
+def small_simulation():
+    job = TrainingJob(SMALL, global_batch=16, seq_len=256)
+    cluster = Cluster(2, 2, get_device("a100-40gb"))
+    return job, cluster, simulate(job, cluster, PlannerOptions(workers=1, microbatch_sizes=(2, 4)))
+
+
+def test_preset_sizes_match_published_counts():
+    assert PRESETS["llama2-7b"].num_params() == pytest.approx(6.74e9, rel=0.01)
+    assert PRESETS["llama2-13b"].num_params() == pytest.approx(13.0e9, rel=0.01)
+    assert PRESETS["llama2-70b"].num_params() == pytest.approx(69.0e9, rel=0.01)
+    assert PRESETS["gpt3-175b"].num_params() == pytest.approx(175e9, rel=0.01)
+
+
+def test_hugging_face_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+                                "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
+                                "num_key_value_heads": 32, "max_position_embeddings": 4096}))
+    config = model_config(str(path))
+    assert config.num_params() == PRESETS["llama2-7b"].num_params()
+    path.write_text("{ not json")
+    with pytest.raises(ModelSpecError, match="not valid JSON"):
+        load_hf_config(path)
+
+
+def test_prediction_is_consistent(small_simulation):
+    job, cluster, sim = small_simulation
+    plan = sim.plan
+    assert sum(s.devices for s in plan.stages) == cluster.num_devices
+    assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == SMALL.layers - 1
+    assert [s.first_layer for s in plan.stages[1:]] == [s.last_layer + 1 for s in plan.stages[:-1]]
+    p = plan.prediction
+    latencies = [s.latency_s for s in plan.stages]
+    pipeline = sum(latencies) + (plan.num_microbatches - 1) * max(latencies)
+    assert p.pipeline_time_s == pytest.approx(pipeline)
+    assert p.iteration_time_s == pytest.approx(pipeline + p.sync_time_s)
+    assert p.tokens_per_s == pytest.approx(16 * 256 / p.iteration_time_s)
+    assert p.mfu == pytest.approx(6 * SMALL.num_params() * 16 * 256 / p.iteration_time_s / 4 / 312e12, rel=1e-9)
+    assert all(s.memory_bytes <= cluster.device.memory_bytes for s in plan.stages)
+
+
+def test_auto_plan_at_least_as_fast_as_baselines(small_simulation):
+    _, _, sim = small_simulation
+    names = {b.name for b in sim.baselines}
+    assert names == {"megatron", "data-parallel", "zero-2"}
+    for b in sim.baselines:
+        if b.plan is not None:
+            assert sim.plan.prediction.iteration_time_s <= b.plan.prediction.iteration_time_s * (1 + 1e-9)
+
+
+def test_plan_json_round_trip(small_simulation):
+    _, _, sim = small_simulation
+    text = sim.plan.to_json()
+    assert TrainingPlan.from_json(text) == sim.plan
+    with pytest.raises(Exception, match="schema version"):
+        TrainingPlan.from_dict({**json.loads(text), "schema_version": 99})
+
+
+def test_model_that_cannot_fit_names_the_memory():
+    job = TrainingJob(PRESETS["llama2-70b"], global_batch=8, seq_len=512)
+    cluster = Cluster(1, 4, get_device("v100-16gb"))
+    with pytest.raises(InfeasiblePlanError, match=r"needs 1103\.6 GB.*per device"):
+        simulate(job, cluster, PlannerOptions(workers=1, microbatch_sizes=(2,)), baselines=False)
+
+
+def test_microbatch_sizes_must_divide_batch():
+    job = TrainingJob(SMALL, global_batch=10, seq_len=64)
+    with pytest.raises(Exception, match="does not divide the global batch 10"):
+        simulate(job, Cluster(1, 2, get_device("a100-40gb")), PlannerOptions(microbatch_sizes=(3,)))
+    assert microbatch_candidates(1000, 50, 3) == (8, 25, 100)
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "meshplan.cli", "simulate", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--device", "v200-8gb"), "unknown device"),
+    (("--cluster", "0x4"), "0x4"),
+    (("--model", "llama-13"), "unknown model"),
+    (("--global-batch", "10", "--microbatch-sizes", "3"), "does not divide"),
+    (("--model", "llama2-70b", "--cluster", "1x4", "--device", "v100-16gb", "--global-batch", "4",
+      "--seq-len", "256", "--microbatch-sizes", "1", "--no-baselines"), "does not fit"),
+])
+def test_simulate_user_errors(args, message):
+    result = run(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_simulate_command_json(tmp_path):
+    out = tmp_path / "sim.json"
+    result = run("--model", "gpt3-125m", "--cluster", "1x2", "--device", "a100-40gb", "--global-batch", "8",
+                 "--seq-len", "128", "--microbatch-sizes", "2,4", "--workers", "1", "--json", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data == json.loads(out.read_text())
+    assert data["plan"]["prediction"]["iteration_time_s"] > 0
+    assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2"}
