@@ -16,7 +16,7 @@ from meshplan.inter.planner import (
     pipeline_plan,
     run_tasks,
 )
-from meshplan.inter.stages import ViewCosts, estimate_stage, leanest_memory
+from meshplan.inter.stages import RECOMPUTE_CHOICES, ViewCosts, estimate_stage, leanest_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,10 @@ def _stage_shape(cluster: Cluster, devices: int) -> tuple[int, int] | None:
 
 
 def _view_index(cluster: Cluster, shape: tuple[int, int], logical: tuple[int, int]) -> int | None:
+    devices = logical[0] * logical[1]
     for index, view in enumerate(cluster.logical_views(shape)):
-        if view.shape == logical or (logical[0] == 1 and view.shape == (1, logical[1])):
+        # One of the two axes has a single device: the 1-D view of the sub-mesh.
+        if view.shape == logical or (1 in logical and view.shape == (1, devices)):
             return index
     return None
 
@@ -80,7 +82,7 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
     best, best_config = None, ""
     for tp, pp, dp, b, key in points:
         costs = priced.get(key)
-        plan = _fixedpipeline_plan(job, cluster, costs, pp, b, options) if costs else None
+        plan = uniform_pipeline(job, cluster, costs, pp, b, options) if costs else None
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best, best_config = plan, f"tp={tp} pp={pp} dp={dp} micro-batch={b}"
     if best is None:
@@ -88,18 +90,38 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
     return Baseline("megatron", replace(best, label="megatron"), config=best_config)
 
 
-def _fixedpipeline_plan(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: int, b: int,
-                    options: PlannerOptions) -> PipelinePlan | None:
+def uniform_pipeline(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: int, b: int,
+                     options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES) -> PipelinePlan | None:
+    """pp stages with (nearly) equal layer counts, all on the view `costs` was priced on."""
     layers, num_microbatches = job.model.layers, job.global_batch // b
     capacity = cluster.device.memory_bytes * options.memory_fraction
     bounds = [round(j * layers / pp) for j in range(pp + 1)]
     stages = []
     for j in range(pp):
-        estimate = estimate_stage(costs, bounds[j], bounds[j + 1] - 1, pp - j, num_microbatches, capacity)
+        estimate = estimate_stage(costs, bounds[j], bounds[j + 1] - 1, pp - j, num_microbatches, capacity,
+                                  recompute)
         if estimate is None:
             return None
         stages.append(estimate)
     return pipeline_plan(stages, b, num_microbatches)
+
+
+def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int, microbatch_size: int,
+                           options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES,
+                           priced: dict | None = None) -> PipelinePlan | None:
+    """Predict one given Megatron-style configuration (to compare with published runs)."""
+    priced = priced if priced is not None else {}
+    dp = cluster.num_devices // (tp * pp)
+    shape = _stage_shape(cluster, cluster.num_devices // pp)
+    index = None if shape is None else _view_index(cluster, shape, (dp, tp))
+    if index is None or microbatch_size % dp or job.global_batch % microbatch_size:
+        return None
+    key = ("view", microbatch_size, shape, index)
+    if key not in priced:
+        task = (key, job, cluster, shape, index, microbatch_size, job.global_batch // microbatch_size, options, True)
+        priced.update(run_tasks([task], 1, None, "pricing configuration"))
+    costs = priced[key]
+    return uniform_pipeline(job, cluster, costs, pp, microbatch_size, options, recompute) if costs else None
 
 
 def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,

@@ -98,7 +98,7 @@ def stage_latency(cost: PieceCost, recompute: str, transfer: float) -> float:
 
 
 def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int,
-                   capacity: float) -> StageEstimate | None:
+                   capacity: float, recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> StageEstimate | None:
     """The fastest (menu, recomputation) choice of a stage that fits in `capacity` bytes."""
     inflight = min(stages_left, num_microbatches)
     transfer = costs.transfer if last < len(costs.blocks) - 1 else 0.0
@@ -108,7 +108,7 @@ def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, nu
         # The largest piece of the model, as in `latency_table` (an upper bound per range).
         largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
         transient = _largest(costs, menu, 0, len(costs.blocks) - 1, "transient_bytes")
-        for recompute in RECOMPUTE_CHOICES:
+        for recompute in recompute_choices:
             memory = stage_memory(cost, inflight, recompute, largest, transient)
             if memory > capacity:
                 continue
