@@ -77,3 +77,12 @@ def test_bucketed_t_max_stays_close():
     exact = plan_stages(lat, [1, 2], 4, 32)
     bucketed = plan_stages(lat, [1, 2], 4, 32, relative_bucket=0.01)
     assert exact.total <= bucketed.total <= exact.total * 1.01
+
+
+def test_placement_tiles_alpa_submeshes():
+    from meshplan.inter.placement import place_submeshes
+
+    origins = place_submeshes([(1, 2), (2, 4), (1, 1), (1, 4), (1, 1)], nodes=4, per_node=4)
+    assert origins == [(3, 0), (0, 0), (3, 2), (2, 0), (3, 3)]
+    # Three 4-device pieces cannot tile two nodes of 6 devices.
+    assert place_submeshes([(1, 4), (1, 4), (1, 4)], nodes=2, per_node=6) is None

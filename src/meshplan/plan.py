@@ -26,6 +26,7 @@ class StagePlan:
     inflight_microbatches: int
     sync_s: float
     update_s: float
+    origin: tuple[int, int] = (0, 0)  # (first node, first device in that node)
 
     @property
     def devices(self) -> int:
@@ -81,7 +82,7 @@ class TrainingPlan:
             raise PlanValidationError(f"plan schema version {version!r} is not supported (this meshplan reads "
                                       f"version {SCHEMA_VERSION}); re-plan with this version")
         try:
-            stages = tuple(StagePlan(**{**s, "submesh": tuple(s["submesh"]),
+            stages = tuple(StagePlan(**{**s, "submesh": tuple(s["submesh"]), "origin": tuple(s["origin"]),
                                         "logical_mesh": tuple(s["logical_mesh"])}) for s in data["stages"])
             fields = {k: v for k, v in data.items() if k not in ("stages", "prediction")}
             fields["cluster"] = tuple(fields["cluster"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.inter.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
+from meshplan.inter.placement import place_submeshes
 from meshplan.inter.planner import (
     PipelinePlan,
     PlannerOptions,
@@ -46,9 +47,12 @@ class Simulation:
 
 
 def to_training_plan(plan: PipelinePlan, job: TrainingJob, cluster: Cluster, label: str = "auto") -> TrainingPlan:
+    origins = place_submeshes([s.shape for s in plan.stages], cluster.nodes, cluster.devices_per_node)
+    if origins is None:  # baselines and DP plans are checked before; keep the plan readable anyway
+        origins = [(0, 0)] * len(plan.stages)
     stages = tuple(StagePlan(s.first, s.last, s.shape, s.view, "fastest" if s.menu == 0 else f"lean-{s.menu}",
-                             s.recompute, s.latency, s.memory, s.inflight, s.sync_time, s.update_time)
-                   for s in plan.stages)
+                             s.recompute, s.latency, s.memory, s.inflight, s.sync_time, s.update_time, origin)
+                   for s, origin in zip(plan.stages, origins, strict=True))
     seconds = plan.iteration_time
     tflops = job.model_flops / seconds / cluster.num_devices / 1e12
     prediction = Prediction(seconds, plan.pipeline_time, plan.sync_time, job.tokens / seconds, tflops,

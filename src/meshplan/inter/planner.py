@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, ModelSpecError, OptionsError
+from meshplan.inter.placement import place_submeshes
 from meshplan.inter.profile import MEMORY_PRICES, profile_menu, profile_piece
 from meshplan.inter.stage_dp import pipeline_latency, plan_stages
 from meshplan.inter.stages import StageEstimate, ViewCosts, best_estimate, latency_table
@@ -230,6 +231,8 @@ def plan_from_costs(job: TrainingJob, cluster: Cluster, b: int, per_shape: list[
     stats.timed("stage DP", start)
     if found is None:
         return None
+    if place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node) is None:
+        return None  # the sub-meshes do not tile this cluster (possible when M is not a power of two)
     stages = []
     for j, slot in enumerate(found.stages):
         estimate = best_estimate(per_shape[slot.submesh], slot.first, slot.last, len(found.stages) - j,

@@ -1,0 +1,168 @@
+"""Flatten a ClosedJaxpr into a straight-line program: nested calls inlined, static scans unrolled.
+
+Jaxpr variables are not unique across call sites (a cached inner jaxpr is shared by every
+call), so the flat program names each value by a fresh integer instead of by its Var.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend import core as jcore
+
+# Primitives whose body is run as-is: calling them is the same as running their jaxpr.
+INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                     "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"})
+_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One primitive application: `outputs = primitive.bind(*inputs, **params)` on value ids."""
+
+    primitive: Any
+    params: dict[str, Any]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    avals: tuple[Any, ...]  # abstract values of the outputs (shape, dtype)
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass(slots=True)
+class FlatProgram:
+    """A straight-line program over integer value ids.
+
+    Attributes:
+        steps: primitive applications in evaluation order.
+        inputs: value ids of the flat arguments.
+        outputs: value ids of the flat results.
+        constants: value id -> concrete value (jaxpr literals and closed-over constants).
+        avals: value id -> abstract value.
+        top_vars: top-level jaxpr Var -> value id (the only level where Vars are unique).
+    """
+
+    steps: list[Step] = field(default_factory=list)
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    constants: dict[int, Any] = field(default_factory=dict)
+    avals: dict[int, Any] = field(default_factory=dict)
+    top_vars: dict[Any, int] = field(default_factory=dict)
+
+    def new_value(self, aval: Any) -> int:
+        vid = len(self.avals)
+        self.avals[vid] = aval
+        return vid
+
+
+def flatten(closed: jcore.ClosedJaxpr) -> FlatProgram:
+    """Flatten `closed` (from `jax.make_jaxpr`) into a FlatProgram."""
+    prog = FlatProgram()
+    jaxpr = closed.jaxpr
+    consts = [_constant(prog, v.aval, c) for v, c in zip(jaxpr.constvars, closed.consts, strict=True)]
+    args = [prog.new_value(v.aval) for v in jaxpr.invars]
+    prog.inputs = tuple(args)
+    prog.outputs = tuple(_emit(prog, jaxpr, consts + args, top=True))
+    return prog
+
+
+def _constant(prog: FlatProgram, aval: Any, value: Any) -> int:
+    vid = prog.new_value(aval)
+    prog.constants[vid] = value
+    return vid
+
+
+def _emit(prog: FlatProgram, jaxpr: jcore.Jaxpr, in_ids: Sequence[int], top: bool = False) -> list[int]:
+    """Append the steps of `jaxpr` applied to value ids `in_ids` (constvars first); return output ids."""
+    env: dict[Any, int] = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), in_ids, strict=True))
+
+    def read(atom: Any) -> int:
+        if isinstance(atom, jcore.Literal):
+            return _constant(prog, atom.aval, atom.val)
+        return env[atom]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        outs = _expand(prog, eqn, ins)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    if top:
+        prog.top_vars.update((v, i) for v, i in env.items() if not isinstance(v, jcore.Literal))
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _expand(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
+    name = eqn.primitive.name
+    if name in INLINED:
+        body = next((eqn.params[p] for p in _BODY_PARAMS if p in eqn.params), None)
+        if body is not None:
+            return _inline(prog, body, ins)
+    if name == "scan" and not eqn.params.get("_split_transpose", False):
+        return _unroll_scan(prog, eqn, ins)
+    outs = [prog.new_value(v.aval) for v in eqn.outvars]
+    params = eqn.primitive.get_bind_params(eqn.params)
+    prog.steps.append(Step(eqn.primitive, dict(params[1]) if isinstance(params, tuple) else dict(params),
+                           tuple(ins), tuple(outs), tuple(v.aval for v in eqn.outvars)))
+    return outs
+
+
+def _inline(prog: FlatProgram, body: Any, ins: list[int]) -> list[int]:
+    if isinstance(body, jcore.ClosedJaxpr):
+        consts = [_constant(prog, v.aval, c) for v, c in zip(body.jaxpr.constvars, body.consts, strict=True)]
+        return _emit(prog, body.jaxpr, consts + ins)
+    return _emit(prog, body, ins)
+
+
+def _unroll_scan(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
+    """Unroll a scan of static length: slice xs per step, run the body, stack the ys."""
+    p = eqn.params
+    body, length, n_consts, n_carry = p["jaxpr"], p["length"], p["num_consts"], p["num_carry"]
+    consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+    ys_per_step: dict[int, list[int]] = {}
+    for t in order:
+        x_t = [_synthetic(prog, _index(t), [x], _row_aval(prog.avals[x])) for x in xs]
+        out = _inline(prog, body, consts + carry + x_t)
+        carry, ys_per_step[t] = out[:n_carry], out[n_carry:]
+    ys = []
+    for k, var in enumerate(eqn.outvars[n_carry:]):
+        rows = [ys_per_step[t][k] for t in range(length)]
+        ys.append(_synthetic(prog, _stack, rows, var.aval))
+    return list(carry) + ys
+
+
+@dataclass(frozen=True, slots=True)
+class Synthetic:
+    """A pseudo-primitive for steps the unroller adds (row of a scan input, stacking of outputs)."""
+
+    name: str
+    fn: Callable[..., Any]
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        return self.fn(*args, **params)
+
+
+def _synthetic(prog: FlatProgram, prim: Synthetic, ins: list[int], aval: Any) -> int:
+    out = prog.new_value(aval)
+    prog.steps.append(Step(prim, {}, tuple(ins), (out,), (aval,)))
+    return out
+
+
+def _index(t: int) -> Synthetic:
+    return Synthetic("scan_row", lambda x: x[t])
+
+
+def _stack_rows(*rows: Any) -> Any:
+    import jax.numpy as jnp  # local: keeps this helper importable without touching the backend
+
+    return jnp.stack(rows)
+
+
+_stack = Synthetic("scan_stack", _stack_rows)
+
+
+def _row_aval(aval: Any) -> Any:
+    return aval.update(shape=aval.shape[1:])

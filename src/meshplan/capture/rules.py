@@ -1,0 +1,176 @@
+"""Per-primitive rules turning flat-program steps into GraphBuilder nodes.
+
+A rule takes (builder, step, operand node ids) and returns one node id per step output.
+Primitives without a rule become opaque nodes (planned replicated) and are reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshplan.capture.flatten import Step
+from meshplan.ir import DType, GraphBuilder, as_dtype
+from meshplan.ir.builder import BINARY_OPS, COMPARE_DIRECTIONS, UNARY_OPS
+
+Rule = Callable[[GraphBuilder, Step, list[int]], list[int]]
+RULES: dict[str, Rule] = {}
+# Primitives that only change what autodiff sees: the output is the input's node.
+PASS_THROUGH = frozenset({"stop_gradient", "copy", "copy_p", "optimization_barrier"})
+# Integer types the IR lacks map to a same-size stand-in so byte counts stay right.
+_DTYPE_STAND_INS = {"uint32": DType.I32, "int16": DType.F16, "uint16": DType.F16, "uint64": DType.I64,
+                    "bool_": DType.PRED, "float8_e4m3fn": DType.I8, "float8_e5m2": DType.I8}
+
+
+def ir_dtype(dtype: Any) -> DType:
+    """The meshplan DType of a NumPy/JAX dtype (float32 -> f32, bool -> pred, ...)."""
+    name = np.dtype(dtype).name
+    return _DTYPE_STAND_INS.get(name) or as_dtype(name)
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    def decorate(rule: Rule) -> Rule:
+        for name in names:
+            RULES[name] = rule
+        return rule
+    return decorate
+
+
+def _shape(step: Step, k: int = 0) -> tuple[int, ...]:
+    return tuple(step.avals[k].shape)
+
+
+def _to_shape(b: GraphBuilder, x: int, shape: Sequence[int]) -> int:
+    """Broadcast a scalar operand (jaxpr literals like `mul 2.0 x`) to the other operand's shape."""
+    shape = tuple(shape)
+    if b.shape(x) == shape:
+        return x
+    return b.broadcast(x, shape, ())
+
+
+@register(*UNARY_OPS - {"copy", "not"})
+def _unary(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.unary(step.name, xs[0])]
+
+
+@register("erfc")
+def _erfc(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    one = b.full(_shape(step), 1.0, b.node(xs[0]).dtype)
+    return [b.sub(one, b.unary("erf", xs[0]))]
+
+
+@register(*BINARY_OPS - {"and", "or"}, "add_any")
+def _binary(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    op = "add" if step.name == "add_any" else step.name
+    shape = _shape(step)
+    return [b.binary(op, _to_shape(b, xs[0], shape), _to_shape(b, xs[1], shape))]
+
+
+@register(*COMPARE_DIRECTIONS)
+def _compare(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    shape = max((b.shape(x) for x in xs), key=len)
+    return [b.compare(_to_shape(b, xs[0], shape), _to_shape(b, xs[1], shape), step.name)]
+
+
+@register("integer_pow")
+def _integer_pow(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    y, x = step.params["y"], xs[0]
+    if 1 <= y <= 4:  # small powers as a chain of multiplies, as XLA expands them
+        out = x
+        for _ in range(y - 1):
+            out = b.mul(out, x)
+        return [out]
+    exponent = b.full(_shape(step), float(y), b.node(x).dtype)
+    return [b.binary("pow", x, exponent)]
+
+
+@register("convert_element_type")
+def _convert(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.convert(xs[0], ir_dtype(step.avals[0].dtype))]
+
+
+@register("select_n")
+def _select(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    if len(xs) != 3:  # select_n with more than two cases has no IR form
+        raise NotImplementedError
+    shape = _shape(step)
+    pred, on_false, on_true = (_to_shape(b, x, shape) for x in xs)  # select_n(pred, false, true)
+    return [b.select(pred, on_true, on_false)]
+
+
+@register("dot_general")
+def _dot(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    (lc, rc), (lb, rb) = step.params["dimension_numbers"]
+    return [b.dot(xs[0], xs[1], lc, rc, lb, rb, dtype=ir_dtype(step.avals[0].dtype))]
+
+
+@register("broadcast_in_dim")
+def _broadcast(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.broadcast(xs[0], step.params["shape"], step.params["broadcast_dimensions"])]
+
+
+@register("reshape", "squeeze", "expand_dims")
+def _reshape(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.reshape(xs[0], _shape(step))]
+
+
+@register("transpose")
+def _transpose(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.transpose(xs[0], step.params["permutation"])]
+
+
+@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+def _reduce(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.reduce(xs[0], step.params["axes"], step.name.removeprefix("reduce_"))]
+
+
+@register("iota")
+def _iota(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.iota(_shape(step), step.params["dimension"], ir_dtype(step.avals[0].dtype))]
+
+
+@register("concatenate")
+def _concatenate(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.concatenate(xs, step.params["dimension"])]
+
+
+@register("slice")
+def _slice(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    strides = step.params.get("strides")
+    if strides is not None and any(s != 1 for s in strides):
+        raise NotImplementedError  # strided slices have no IR form
+    return [b.slice(xs[0], step.params["start_indices"], step.params["limit_indices"])]
+
+
+@register("dynamic_slice")
+def _dynamic_slice(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    return [b.dynamic_slice(xs[0], xs[1:], step.params["slice_sizes"])]
+
+
+@register("gather")
+def _gather(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    """Only a row lookup table[idx] (embeddings) is a GATHER; anything else stays opaque."""
+    table, idx = b.node(xs[0]), b.node(xs[1])
+    dn, sizes = step.params["dimension_numbers"], tuple(step.params["slice_sizes"])
+    rows_only = (tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+                 and sizes == (1, *table.shape[1:]) and idx.shape[-1:] == (1,)
+                 and tuple(dn.offset_dims) == tuple(range(idx.rank - 1, idx.rank - 1 + table.rank - 1))
+                 and not getattr(dn, "operand_batching_dims", ()))
+    if not rows_only:
+        raise NotImplementedError
+    return [b.gather(xs[0], b.reshape(xs[1], idx.shape[:-1]))]
+
+
+@register("scan_row")
+def _scan_row(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    shape, t = b.shape(xs[0]), step.primitive.fn.__closure__[0].cell_contents
+    start, limit = [t] + [0] * (len(shape) - 1), [t + 1, *shape[1:]]
+    return [b.reshape(b.slice(xs[0], start, limit), shape[1:])]
+
+
+@register("scan_stack")
+def _scan_stack(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    rows = [b.reshape(x, (1, *b.shape(x))) for x in xs]
+    return [b.concatenate(rows, 0)]

@@ -1,0 +1,9 @@
+"""Test-wide setup: 8 fake CPU devices for JAX, set before anything imports JAX."""
+
+from __future__ import annotations
+
+import os
+
+# XLA reads these once, when JAX first initialises its backend; later changes are ignored.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
