@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 # Primitives whose body is run as-is: calling them is the same as running their jaxpr.
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin"})
+                     "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin"})
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -27,6 +27,7 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     avals: tuple[Any, ...]  # abstract values of the outputs (shape, dtype)
+    effectful: bool = False  # has side effects: kept even when its outputs are unused
 
     @property
     def name(self) -> str:
@@ -67,7 +68,18 @@ def flatten(closed: jcore.ClosedJaxpr) -> FlatProgram:
     args = [prog.new_value(v.aval) for v in jaxpr.invars]
     prog.inputs = tuple(args)
     prog.outputs = tuple(_emit(prog, jaxpr, consts + args, top=True))
+    _prune(prog)
     return prog
+
+
+def _prune(prog: FlatProgram) -> None:
+    """Drop steps no output depends on: XLA removes them too, so the planner must not price them."""
+    live, kept = set(prog.outputs), []
+    for step in reversed(prog.steps):
+        if step.effectful or live.intersection(step.outputs):
+            live.update(step.inputs)
+            kept.append(step)
+    prog.steps = kept[::-1]
 
 
 def _constant(prog: FlatProgram, aval: Any, value: Any) -> int:
@@ -105,7 +117,7 @@ def _expand(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
     outs = [prog.new_value(v.aval) for v in eqn.outvars]
     params = eqn.primitive.get_bind_params(eqn.params)
     prog.steps.append(Step(eqn.primitive, dict(params[1]) if isinstance(params, tuple) else dict(params),
-                           tuple(ins), tuple(outs), tuple(v.aval for v in eqn.outvars)))
+                           tuple(ins), tuple(outs), tuple(v.aval for v in eqn.outvars), bool(eqn.effects)))
     return outs
 
 
@@ -124,7 +136,7 @@ def _unroll_scan(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
     order = range(length - 1, -1, -1) if p["reverse"] else range(length)
     ys_per_step: dict[int, list[int]] = {}
     for t in order:
-        x_t = [_synthetic(prog, _index(t), [x], _row_aval(prog.avals[x])) for x in xs]
+        x_t = [_synthetic(prog, _row, [x], _row_aval(prog.avals[x]), index=t) for x in xs]
         out = _inline(prog, body, consts + carry + x_t)
         carry, ys_per_step[t] = out[:n_carry], out[n_carry:]
     ys = []
@@ -140,19 +152,19 @@ class Synthetic:
 
     name: str
     fn: Callable[..., Any]
+    multiple_results: bool = False
 
     def bind(self, *args: Any, **params: Any) -> Any:
         return self.fn(*args, **params)
 
 
-def _synthetic(prog: FlatProgram, prim: Synthetic, ins: list[int], aval: Any) -> int:
+def _synthetic(prog: FlatProgram, prim: Synthetic, ins: list[int], aval: Any, **params: Any) -> int:
     out = prog.new_value(aval)
-    prog.steps.append(Step(prim, {}, tuple(ins), (out,), (aval,)))
+    prog.steps.append(Step(prim, params, tuple(ins), (out,), (aval,)))
     return out
 
 
-def _index(t: int) -> Synthetic:
-    return Synthetic("scan_row", lambda x: x[t])
+_row = Synthetic("scan_row", lambda x, index: x[index])
 
 
 def _stack_rows(*rows: Any) -> Any:

@@ -43,11 +43,12 @@ def _shape(step: Step, k: int = 0) -> tuple[int, ...]:
 
 
 def _to_shape(b: GraphBuilder, x: int, shape: Sequence[int]) -> int:
-    """Broadcast a scalar operand (jaxpr literals like `mul 2.0 x`) to the other operand's shape."""
-    shape = tuple(shape)
-    if b.shape(x) == shape:
+    """Broadcast an operand to the result's shape: jaxpr binary ops take scalars (`mul 2.0 x`)
+    and, since JAX 0.10, size-1 dims of equal rank (`sub x[8,64] mean[8,1]`); the IR takes neither."""
+    shape, own = tuple(shape), b.shape(x)
+    if own == shape:
         return x
-    return b.broadcast(x, shape, ())
+    return b.broadcast(x, shape, range(len(own)) if own else ())
 
 
 @register(*UNARY_OPS - {"copy", "not"})
@@ -70,7 +71,7 @@ def _binary(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
 
 @register(*COMPARE_DIRECTIONS)
 def _compare(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
-    shape = max((b.shape(x) for x in xs), key=len)
+    shape = _shape(step)
     return [b.compare(_to_shape(b, xs[0], shape), _to_shape(b, xs[1], shape), step.name)]
 
 
@@ -165,7 +166,7 @@ def _gather(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
 
 @register("scan_row")
 def _scan_row(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
-    shape, t = b.shape(xs[0]), step.primitive.fn.__closure__[0].cell_contents
+    shape, t = b.shape(xs[0]), step.params["index"]
     start, limit = [t] + [0] * (len(shape) - 1), [t + 1, *shape[1:]]
     return [b.reshape(b.slice(xs[0], start, limit), shape[1:])]
 

@@ -1,0 +1,152 @@
+"""Intra-op runtime: a Captured program and an IntraPlan -> a jitted function sharded as planned.
+
+The captured flat program is re-evaluated primitive by primitive inside `jax.jit`; every value
+the plan splits gets a `with_sharding_constraint`, and XLA's SPMD partitioner inserts the
+collectives the plan implies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from meshplan.capture import Captured
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.errors import MeshError, PlanValidationError
+from meshplan.intra.plan import IntraPlan
+from meshplan.sharding.spec import ShardingSpec
+
+_AXIS_NAMES = ("x", "y", "z")
+
+
+def axis_names(ndim: int) -> tuple[str, ...]:
+    """JAX mesh axis names for a mesh of `ndim` axes: "x", "y", "z", then "a3", "a4", ..."""
+    return tuple(_AXIS_NAMES[i] if i < len(_AXIS_NAMES) else f"a{i}" for i in range(ndim))
+
+
+def make_jax_mesh(logical_mesh: LogicalMesh, devices: Sequence[Any] | None = None) -> Mesh:
+    """The `jax.sharding.Mesh` (Auto axes) that runs a plan made for `logical_mesh`.
+
+    Args:
+        logical_mesh: the plan's mesh; its `device_ids` index into `devices` in row-major order.
+        devices: the devices to use; defaults to `jax.devices()`.
+
+    Raises:
+        MeshError: the devices given do not match the mesh, or JAX sees too few devices.
+    """
+    needed = math.prod(logical_mesh.shape)
+    if devices is not None and len(devices) != needed:
+        raise MeshError(
+            f"mesh {logical_mesh.name} needs {needed} devices but {len(devices)} were given; "
+            f"pass exactly {needed} devices or plan for a mesh of {len(devices)} devices")
+    available = list(jax.devices()) if devices is None else list(devices)
+    if devices is None and max(logical_mesh.device_ids) >= len(available):
+        raise MeshError(
+            f"mesh {logical_mesh.name} needs {needed} devices (ids up to {max(logical_mesh.device_ids)}) but "
+            f"JAX sees {len(available)} {jax.default_backend()} device(s); plan for a mesh of at most "
+            f"{len(available)} devices, or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
+            f"before importing JAX")
+    ids = logical_mesh.device_ids if devices is None else range(needed)
+    grid = np.array([available[i] for i in ids], dtype=object).reshape(logical_mesh.shape)
+    # Auto axes: with_sharding_constraint is only honoured on them (Explicit is make_mesh's default).
+    return Mesh(grid, axis_names(logical_mesh.ndim), axis_types=(AxisType.Auto,) * logical_mesh.ndim)
+
+
+def partition_spec(spec: ShardingSpec) -> PartitionSpec:
+    """The PartitionSpec of a meshplan ShardingSpec (mesh axis i is named `axis_names(...)[i]`)."""
+    names = axis_names(1 + max(spec.axes(), default=0))
+    return PartitionSpec(*(_dim_entry(tuple(names[a] for a in axes)) for axes in spec.dims))
+
+
+def _dim_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+class ShardedFunction:
+    """A captured function jitted with the plan's shardings; call it like the original.
+
+    `lower(*args)` gives the `jax.stages.Lowered` stage (e.g. to count collectives in HLO).
+    """
+
+    def __init__(self, captured: Captured, jitted: Any) -> None:
+        self._captured = captured
+        self.jitted = jitted
+
+    def __call__(self, *args: Any) -> Any:
+        flat = self._flat_args(args)
+        return jax.tree_util.tree_unflatten(self._captured.out_tree, self.jitted(*flat))
+
+    def lower(self, *args: Any) -> Any:
+        """Lower for `args` without running (see `jax.jit(...).lower`)."""
+        return self.jitted.lower(*self._flat_args(args))
+
+    def _flat_args(self, args: tuple[Any, ...]) -> list[Any]:
+        flat, tree = jax.tree_util.tree_flatten(args)
+        if tree != self._captured.in_tree:
+            raise PlanValidationError(
+                f"arguments have structure {tree} but the function was captured with {self._captured.in_tree}; "
+                f"call it with arguments shaped like the capture's example arguments")
+        return flat
+
+
+def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh) -> ShardedFunction:
+    """Jit the captured function so that every value follows `plan`'s sharding.
+
+    Args:
+        captured: the output of `meshplan.capture.capture`.
+        plan: an IntraPlan of `captured.graph`.
+        mesh: from `make_jax_mesh(plan.mesh)`.
+
+    Returns:
+        A ShardedFunction taking the same (pytree) arguments as the captured function.
+    """
+    _check_plan(captured, plan, mesh)
+    specs = {c.node: c.output for c in plan.nodes}
+    shard = lambda node: NamedSharding(mesh, partition_spec(specs[node]))
+    run = _interpreter(captured, specs, plan.mesh, mesh)
+    jitted = jax.jit(run, in_shardings=tuple(shard(n) for n in captured.input_nodes),
+                     out_shardings=tuple(shard(n) for n in captured.output_nodes))
+    return ShardedFunction(captured, jitted)
+
+
+def _check_plan(captured: Captured, plan: IntraPlan, mesh: Mesh) -> None:
+    if len(plan.nodes) != len(captured.graph.nodes):
+        raise PlanValidationError(
+            f"plan of {plan.graph_name!r} has {len(plan.nodes)} nodes but graph {captured.graph.name!r} has "
+            f"{len(captured.graph.nodes)}; plan the captured graph itself (solve_intra(captured.graph, ...))")
+    if tuple(mesh.devices.shape) != plan.mesh.shape:
+        raise MeshError(f"plan is for mesh {plan.mesh.name} but the JAX mesh has shape {mesh.devices.shape}; "
+                        f"build it with make_jax_mesh(plan.mesh)")
+
+
+def _interpreter(captured: Captured, specs: dict[int, ShardingSpec], logical: LogicalMesh, mesh: Mesh) -> Any:
+    """A function of the flat arguments that replays the flat program with sharding constraints."""
+    program = captured.program
+    split = {vid: NamedSharding(mesh, partition_spec(specs[n])) for vid, n in captured.value_nodes.items()
+             if _constrains(specs[n], tuple(program.avals[vid].shape), captured.graph.nodes[n].shape, logical)}
+
+    def run(*flat_args: Any) -> tuple[Any, ...]:
+        env: dict[int, Any] = dict(program.constants)
+        env.update(zip(program.inputs, flat_args, strict=True))
+        for step in program.steps:
+            outs = step.primitive.bind(*(env[i] for i in step.inputs), **step.params)
+            outs = outs if step.primitive.multiple_results else (outs,)
+            for vid, value in zip(step.outputs, outs, strict=True):
+                sharding = split.get(vid)
+                env[vid] = value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+        return tuple(env[v] for v in program.outputs)
+
+    return run
+
+
+def _constrains(spec: ShardingSpec, value_shape: tuple[int, ...], node_shape: tuple[int, ...],
+                mesh: LogicalMesh) -> bool:
+    """Constrain only values the plan splits, evenly, and whose node has the value's own shape."""
+    return not spec.is_replicated and value_shape == node_shape and spec.is_valid_for(value_shape, mesh)
