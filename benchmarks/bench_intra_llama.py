@@ -32,7 +32,7 @@ def run_case(solver: str, share: bool, time_limit: float, budget: str) -> dict:
             "constraints": plan.num_constraints, "peak_memory_gb": plan.peak_memory / 1e9}
 
 
-def main(time_limit: float = 300.0) -> None:
+def main(time_limit: float = 60.0) -> None:
     cases = []
     for budget in BUDGETS:
         for solver in ("highs", "cbc"):
@@ -45,4 +45,4 @@ def main(time_limit: float = 300.0) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 300.0)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 60.0)

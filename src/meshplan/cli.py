@@ -107,6 +107,8 @@ def simulate(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
     efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s kernels sustain.")] = 0.5,
+    dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
+    optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -116,6 +118,7 @@ def simulate(
     from meshplan.cluster.cluster import Cluster, parse_cluster
     from meshplan.cluster.devices import device_from_overrides, get_device
     from meshplan.inter.planner import PlannerOptions, TrainingJob
+    from meshplan.ir import as_dtype
     from meshplan.models.transformer import model_config
     from meshplan.report.simulation_text import print_simulation
     from meshplan.simulate import simulate as run_simulation
@@ -125,7 +128,7 @@ def simulate(
         spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
     nodes, per_node = parse_cluster(cluster)
     options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes))
-    job = TrainingJob(model_config(model), global_batch, seq_len)
+    job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     with _progress(enabled=not json_out) as progress:
         sim = run_simulation(job, Cluster(nodes, per_node, spec), options, progress, baselines)
     data = sim.to_dict()

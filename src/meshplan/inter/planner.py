@@ -23,7 +23,12 @@ from meshplan.inter.profile import MEMORY_PRICES, profile_menu, profile_piece
 from meshplan.inter.stage_dp import pipeline_latency, plan_stages
 from meshplan.inter.stages import StageEstimate, ViewCosts, best_estimate, latency_table
 from meshplan.ir import DType
-from meshplan.models.training import block_training_graph, embedding_training_graph, head_training_graph
+from meshplan.models.training import (
+    OPTIMIZERS,
+    block_training_graph,
+    embedding_training_graph,
+    head_training_graph,
+)
 from meshplan.models.transformer import TransformerConfig
 
 
@@ -41,6 +46,8 @@ class TrainingJob:
         if self.global_batch < 1 or self.seq_len < 1:
             raise ModelSpecError(f"global batch ({self.global_batch}) and sequence length ({self.seq_len}) "
                                  "must be at least 1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ModelSpecError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
 
     @property
     def tokens(self) -> int:
@@ -264,6 +271,9 @@ def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | 
     priced = priced if priced is not None else {}
     best = None
     for b in planned_microbatch_sizes(job, cluster, options):
+        start = time.perf_counter()
+        _pieces(job.model, b, job.seq_len, job.dtype, job.optimizer)  # workers build their own copies
+        stats.timed("training graphs", start)
         start = time.perf_counter()
         tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t[0] not in priced]
         priced.update(run_tasks(tasks, options.workers, progress, f"pricing sub-meshes, micro-batch {b}"))
