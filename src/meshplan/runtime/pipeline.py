@@ -1,0 +1,279 @@
+"""Inter-op runtime: stage functions on disjoint sub-meshes + a batch -> pipelined loss and grads.
+
+Each stage is jitted on its own sub-mesh; a micro-batch's forward saves the stage's `jax.vjp`
+function, activations and cotangents hop between sub-meshes with `jax.device_put`, and a GPipe
+or 1F1B schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous, so
+steps of different stages that the schedule puts side by side overlap on their devices.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshplan.errors import MeshError, OptionsError
+
+StageFn = Callable[..., Any]
+
+
+class Phase(enum.Enum):
+    """A pipeline step: the forward or the backward of one stage on one micro-batch."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One executed step: `phase` of `stage` on micro-batch `micro_batch`."""
+
+    stage: int
+    micro_batch: int
+    phase: Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Stage functions, each run on its own sub-mesh.
+
+    `stage_fns[k](params_k, x) -> y` for every stage but the last, which is
+    `stage_fns[-1](params, x, targets) -> scalar loss`. Sub-meshes must not share devices.
+    """
+
+    stage_fns: tuple[StageFn, ...]
+    stage_meshes: tuple[Mesh, ...]
+    _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_fns", tuple(self.stage_fns))
+        object.__setattr__(self, "stage_meshes", tuple(self.stage_meshes))
+        _check_stages(self.stage_fns, self.stage_meshes)
+        last = len(self.stage_fns) - 1
+        forwards = tuple(_jit_forward(fn, is_last=k == last) for k, fn in enumerate(self.stage_fns))
+        object.__setattr__(self, "_forwards", forwards)
+
+    @property
+    def num_stages(self) -> int:
+        """How many stages the pipeline has."""
+        return len(self.stage_fns)
+
+    def sharding(self, stage: int) -> NamedSharding:
+        """Where stage `stage` keeps its params and activations: replicated on its sub-mesh."""
+        return NamedSharding(self.stage_meshes[stage], PartitionSpec())
+
+
+class PipelineResult(NamedTuple):
+    """What `run_pipeline` returns: mean loss, grads per stage, and the steps in executed order."""
+
+    loss: jax.Array
+    grads: list[Any]
+    events: tuple[Event, ...]
+
+
+def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
+    if not fns or len(fns) != len(meshes):
+        raise OptionsError(f"Pipeline got {len(fns)} stage functions and {len(meshes)} meshes; "
+                           f"pass one sub-mesh per stage function (at least one stage)")
+    seen: dict[Any, int] = {}
+    for k, mesh in enumerate(meshes):
+        for device in mesh.devices.flat:
+            if device in seen:
+                raise MeshError(f"device {device} is in the meshes of stages {seen[device]} and {k}; "
+                                f"give each stage a disjoint subset of devices")
+            seen[device] = k
+
+
+def _jit_forward(fn: StageFn, is_last: bool) -> Any:
+    if is_last:
+        return jax.jit(lambda p, x, t: jax.vjp(lambda p_, x_: fn(p_, x_, t), p, x))
+    return jax.jit(lambda p, x: jax.vjp(fn, p, x))
+
+
+_backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent))
+_accumulate = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
+
+
+# --- schedules ---------------------------------------------------------------------------------
+
+def _gpipe_steps(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[Event]:
+    del num_stages
+    yield from (Event(stage, m, Phase.FORWARD) for m in range(num_micro_batches))
+    yield from (Event(stage, m, Phase.BACKWARD) for m in range(num_micro_batches))
+
+
+def _one_f_one_b_steps(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[Event]:
+    warmup = min(num_stages - stage - 1, num_micro_batches)
+    yield from (Event(stage, m, Phase.FORWARD) for m in range(warmup))
+    for i in range(num_micro_batches - warmup):
+        yield Event(stage, warmup + i, Phase.FORWARD)
+        yield Event(stage, i, Phase.BACKWARD)
+    yield from (Event(stage, m, Phase.BACKWARD) for m in range(num_micro_batches - warmup, num_micro_batches))
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Iterator[Event]]] = {
+    "gpipe": _gpipe_steps,
+    "1f1b": _one_f_one_b_steps,
+}
+
+
+def _dependencies(event: Event, num_stages: int) -> set[Event]:
+    if event.phase is Phase.FORWARD:
+        return {Event(event.stage - 1, event.micro_batch, Phase.FORWARD)} if event.stage else set()
+    deps = {Event(event.stage, event.micro_batch, Phase.FORWARD)}
+    if event.stage < num_stages - 1:
+        deps.add(Event(event.stage + 1, event.micro_batch, Phase.BACKWARD))
+    return deps
+
+
+def make_schedule(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[Event, ...]:
+    """The order `run_pipeline` executes steps in, by clock ticks.
+
+    At each tick every stage whose next step (in its own per-stage order) has its inputs from
+    earlier ticks runs that step; steps of one tick are listed by stage. Pure Python, no JAX.
+
+    Args:
+        schedule: a name in `SCHEDULES` ("gpipe": all forwards then all backwards per stage;
+            "1f1b": `num_stages - stage - 1` warm-up forwards, then one forward / one backward).
+        num_stages: how many stages.
+        num_micro_batches: how many micro-batches.
+    """
+    if schedule not in SCHEDULES:
+        raise OptionsError(f"unknown pipeline schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
+    queues = [list(SCHEDULES[schedule](s, num_stages, num_micro_batches)) for s in range(num_stages)]
+    done: set[Event] = set()
+    order: list[Event] = []
+    while any(queues):
+        tick = [q[0] for q in queues if q and _dependencies(q[0], num_stages) <= done]
+        if not tick:
+            raise OptionsError(f"schedule {schedule!r} deadlocks with steps {[q[0] for q in queues if q]} waiting")
+        for event in tick:
+            queues[event.stage].pop(0)
+        done.update(tick)
+        order.extend(tick)
+    return tuple(order)
+
+
+# --- execution ---------------------------------------------------------------------------------
+
+def place_params(pipeline: Pipeline, params_per_stage: Sequence[Any]) -> list[Any]:
+    """Put each stage's params (a pytree) on that stage's sub-mesh, replicated."""
+    if len(params_per_stage) != pipeline.num_stages:
+        raise OptionsError(f"got params for {len(params_per_stage)} stages but the pipeline has "
+                           f"{pipeline.num_stages}; pass one params pytree per stage")
+    return [jax.device_put(p, pipeline.sharding(k)) for k, p in enumerate(params_per_stage)]
+
+
+def _micro_batches(tree: Any, count: int, name: str) -> list[Any]:
+    if count < 1:
+        raise OptionsError(f"num_micro_batches is {count}; use at least 1")
+    sizes = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(tree)}
+    if len(sizes) != 1 or next(iter(sizes)) % count:
+        raise OptionsError(f"{name} has leading sizes {sorted(sizes)} which do not split into {count} equal "
+                           f"micro-batches; use a num_micro_batches that divides the batch size")
+    size = next(iter(sizes)) // count
+    return [jax.tree_util.tree_map(lambda a, m=m: a[m * size:(m + 1) * size], tree) for m in range(count)]
+
+
+@dataclass(slots=True)
+class _Run:
+    """Mutable state of one `run_pipeline` call, keyed by (stage, micro-batch)."""
+
+    pipeline: Pipeline
+    params: list[Any]
+    inputs: list[Any]
+    targets: list[Any]
+    seed: jax.Array
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
+    cotangents: dict[tuple[int, int], Any] = field(default_factory=dict)
+    losses: list[Any] = field(default_factory=list)
+    grads: dict[int, Any] = field(default_factory=dict)
+
+    def forward(self, s: int, m: int) -> None:
+        x = self.inputs[m] if s == 0 else self.outputs.pop((s - 1, m))
+        x = jax.device_put(x, self.pipeline.sharding(s))
+        last = s == self.pipeline.num_stages - 1
+        extra = (jax.device_put(self.targets[m], self.pipeline.sharding(s)),) if last else ()
+        y, self.vjps[(s, m)] = self.pipeline._forwards[s](self.params[s], x, *extra)
+        if last:
+            self.losses.append(y)
+        else:
+            self.outputs[(s, m)] = y
+
+    def backward(self, s: int, m: int) -> None:
+        last = s == self.pipeline.num_stages - 1
+        if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
+            ct = self.seed.astype(self.losses[0].dtype)
+        else:
+            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.sharding(s))
+        grad, dx = _backward(self.vjps.pop((s, m)), ct)
+        self.grads[s] = grad if s not in self.grads else _accumulate(self.grads[s], grad)
+        if s:
+            self.cotangents[(s, m)] = dx
+
+
+def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any, targets: Any,
+                 num_micro_batches: int, schedule: str = "1f1b") -> PipelineResult:
+    """Loss and grads of the pipelined model, micro-batch by micro-batch.
+
+    The loss is the mean of the micro-batch losses and the grads are those of that mean (each
+    backward is seeded with `1 / num_micro_batches`), so with a per-example mean loss they equal
+    `jax.value_and_grad` on the whole batch.
+
+    Args:
+        pipeline: the stages and their sub-meshes.
+        params_per_stage: one params pytree per stage; moved to the stage's sub-mesh.
+        batch: the first stage's input (pytree; leading axis is the batch).
+        targets: the last stage's extra input (pytree; leading axis is the batch).
+        num_micro_batches: how many equal micro-batches to cut the batch into.
+        schedule: "1f1b" or "gpipe" (see `make_schedule`).
+
+    Returns:
+        PipelineResult(loss, grads, events): grads[k] lives on stage k's sub-mesh; events are
+        the steps in the order they were dispatched.
+    """
+    events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
+    last = pipeline.sharding(pipeline.num_stages - 1)
+    run = _Run(pipeline, place_params(pipeline, params_per_stage),
+               _micro_batches(batch, num_micro_batches, "batch"),
+               _micro_batches(targets, num_micro_batches, "targets"),
+               jax.device_put(jnp.float32(1.0 / num_micro_batches), last))
+    executed: list[Event] = []
+    for event in events:
+        step = run.forward if event.phase is Phase.FORWARD else run.backward
+        step(event.stage, event.micro_batch)
+        executed.append(event)
+    loss = _mean(run.losses)
+    return PipelineResult(loss, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed))
+
+
+@jax.jit
+def _mean(losses: list[jax.Array]) -> jax.Array:
+    return sum(losses) / len(losses)
+
+
+def apply_update(params_per_stage: Sequence[Any], grads_per_stage: Sequence[Any],
+                 update_fn: Callable[[Any, Any], Any]) -> list[Any]:
+    """One optimizer step per stage, each on the sub-mesh that holds the stage's grads.
+
+    Args:
+        params_per_stage: one params pytree per stage; each leaf is moved to its grad's sharding.
+        grads_per_stage: the matching grads, e.g. `run_pipeline(...).grads`.
+        update_fn: `update_fn(params, grads) -> new_params` (e.g. SGD), jitted once.
+
+    Returns:
+        The new params per stage; stage k's stay on stage k's sub-mesh.
+    """
+    if len(params_per_stage) != len(grads_per_stage):
+        raise OptionsError(f"got params for {len(params_per_stage)} stages and grads for "
+                           f"{len(grads_per_stage)}; pass one params and one grads pytree per stage")
+    update = jax.jit(update_fn)
+    # Move params next to their grads first: an update that forwards a param must not leave it elsewhere.
+    on_grads = lambda p, g: jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), p, g)
+    return [update(on_grads(p, g), g) for p, g in zip(params_per_stage, grads_per_stage, strict=True)]
