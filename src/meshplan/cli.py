@@ -111,11 +111,12 @@ def simulate(
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
+    cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
 ) -> None:
     """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
-    from meshplan.cluster.cluster import Cluster, parse_cluster
+    from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
     from meshplan.cluster.devices import device_from_overrides, get_device
     from meshplan.inter.planner import PlannerOptions, TrainingJob
     from meshplan.ir import as_dtype
@@ -127,10 +128,11 @@ def simulate(
     if memory:
         spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
     nodes, per_node = parse_cluster(cluster)
+    machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes))
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     with _progress(enabled=not json_out) as progress:
-        sim = run_simulation(job, Cluster(nodes, per_node, spec), options, progress, baselines)
+        sim = run_simulation(job, machines, options, progress, baselines)
     data = sim.to_dict()
     if out:
         write_json_atomic(out, data)
@@ -138,6 +140,32 @@ def simulate(
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         print_simulation(sim, Console())
+
+
+@app.command("profile-cluster")
+@user_errors
+def profile_cluster(
+    out: Annotated[str, typer.Option(help="Cluster file to write.")] = "cluster.json",
+    nodes: Annotated[int, typer.Option(help="Nodes to view the devices as (0: 1).")] = 0,
+    devices_per_node: Annotated[int, typer.Option(help="Devices per node (0: all devices JAX sees).")] = 0,
+    memory: Annotated[str, typer.Option(help="Memory per device to record, e.g. 16GB.")] = "16GB",
+    repeats: Annotated[int, typer.Option(help="Timed runs per measurement.")] = 5,
+) -> None:
+    """Measure collective latency/bandwidth per mesh axis and matmul throughput on the devices JAX
+    sees, and write a cluster file for `meshplan simulate --cluster-file` (use --efficiency 1)."""
+    import jax
+
+    from meshplan.runtime.calibrate import profile_cluster as measure
+
+    count = len(jax.devices())
+    nodes = nodes or 1
+    per_node = devices_per_node or max(1, count // nodes)
+    data = measure(nodes, per_node, parse_bytes(memory), repeats=repeats)
+    write_json_atomic(out, data)
+    d = data["device"]
+    Console().print(f"wrote {out}: {nodes}x{per_node} {jax.devices()[0].platform} devices, matmul "
+                    f"{d['peak_flops'] / 1e9:.1f} GFLOP/s, intra-node {d['intra_bandwidth'] / 1e9:.2f} GB/s "
+                    f"(latency {d['intra_latency'] * 1e6:.1f} us), inter-node {d['inter_bandwidth'] / 1e9:.2f} GB/s")
 
 
 def _ints(text: str) -> tuple[int, ...]:

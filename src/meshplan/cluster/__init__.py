@@ -1,6 +1,6 @@
 """Devices and logical meshes."""
 
-from meshplan.cluster.cluster import Cluster, parse_cluster
+from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
 from meshplan.cluster.devices import DEVICES, DeviceSpec, device_from_overrides, get_device
 from meshplan.cluster.mesh import LogicalMesh, parse_bytes, parse_floats, parse_mesh_shape
 
@@ -11,6 +11,7 @@ __all__ = [
     "LogicalMesh",
     "device_from_overrides",
     "get_device",
+    "load_cluster_file",
     "parse_bytes",
     "parse_cluster",
     "parse_floats",

@@ -6,6 +6,7 @@ i * devices_per_node + j, so ids within a node are consecutive.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -121,3 +122,17 @@ def parse_cluster(text: str) -> tuple[int, int]:
     if nodes < 1 or per_node < 1:
         raise MeshError(f"cluster {text!r} needs at least 1 node and 1 device per node; write e.g. 50x4")
     return nodes, per_node
+
+
+def load_cluster_file(path: str) -> Cluster:
+    """A Cluster from a file written by `meshplan profile-cluster`."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+        device = DeviceSpec(**data["device"])
+        return Cluster(int(data["nodes"]), int(data["devices_per_node"]), device)
+    except FileNotFoundError:
+        raise MeshError(f"cluster file {path!r} does not exist; write one with `meshplan profile-cluster`") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise MeshError(f"cluster file {path!r} is not a meshplan cluster file ({exc}); "
+                        "write one with `meshplan profile-cluster`") from None
