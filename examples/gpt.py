@@ -1,6 +1,6 @@
 """Train a small GPT (plain JAX, hand-written Adam) for a few steps under `parallelize` on 8 CPU devices.
 
-Run: python examples/gpt.py [shard|dp|zero2|zero3]   (default: shard; prints loss and step time)
+Run: python examples/gpt.py [shard|dp|zero2|zero3|tp]   (default: shard; prints loss and step time)
 """
 
 from __future__ import annotations
@@ -19,9 +19,17 @@ from dataclasses import dataclass  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from meshplan.api import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel, parallelize  # noqa: E402
+from meshplan.api import (  # noqa: E402
+    DataParallel,
+    ShardParallel,
+    TensorParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+    parallelize,
+)
 
-METHODS = {"shard": ShardParallel(), "dp": DataParallel(), "zero2": Zero2Parallel(), "zero3": Zero3Parallel()}
+METHODS = {"shard": ShardParallel(), "dp": DataParallel(), "zero2": Zero2Parallel(), "zero3": Zero3Parallel(),
+           "tp": TensorParallel()}
 
 
 @dataclass(frozen=True)

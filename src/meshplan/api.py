@@ -29,7 +29,13 @@ from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
-from meshplan.runtime.sharded import ShardedFunction, execute_sharded, make_jax_mesh, partition_spec
+from meshplan.runtime.sharded import (
+    ShardedFunction,
+    execute_sharded,
+    make_jax_mesh,
+    partition_spec,
+    placeable_spec,
+)
 
 # Placeholders (see module docstring): latency per collective, time per byte, FLOP/s per device.
 ALPHA_S = 1e-5
@@ -121,8 +127,24 @@ class Zero3Parallel(DataParallel):
         return IntraOptions(cost=cost, force_batch_dim_to_mesh_dim=0, allow_replicated_parameters=False)
 
 
-Method = ShardParallel | DataParallel | Zero2Parallel | Zero3Parallel
-_METHODS = (ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel)
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """Megatron-style tensor parallelism: a 1-D mesh of all devices on which no input may stay
+    whole, so weights are split (column then row in an MLP) and the ILP picks how."""
+
+    def mesh(self, num_devices: int) -> tuple[int, ...]:
+        return (num_devices,)
+
+    def options(self) -> IntraOptions:
+        return IntraOptions(cost=CostModel(flops_per_second=FLOPS_PER_SECOND), allow_replicated_parameters=False)
+
+    @property
+    def forces_batch(self) -> bool:
+        return False
+
+
+Method = ShardParallel | DataParallel | Zero2Parallel | Zero3Parallel | TensorParallel
+_METHODS = (ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, TensorParallel)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,7 +232,9 @@ class ParallelizedFunction:
         jax_mesh = make_jax_mesh(mesh, devices if self.devices else None)
         sharded = execute_sharded(captured, plan, jax_mesh)
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a), _dtype(a)), ordered)
-        specs = [NamedSharding(jax_mesh, partition_spec(plan.strategy(n).output)) for n in captured.input_nodes]
+        specs = [NamedSharding(jax_mesh, partition_spec(placeable_spec(plan.strategy(n).output,
+                                                                     captured.graph[n].shape, plan.mesh)))
+                 for n in captured.input_nodes]
         return _Compiled(captured, plan, sharded, example, jax.tree_util.tree_unflatten(captured.in_tree, specs))
 
     def _order(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -109,11 +109,18 @@ def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh) -> ShardedF
     """
     _check_plan(captured, plan, mesh)
     specs = {c.node: c.output for c in plan.nodes}
-    shard = lambda node: NamedSharding(mesh, partition_spec(specs[node]))
+    graph = captured.graph
+    shard = lambda node: NamedSharding(mesh, partition_spec(placeable_spec(specs[node], graph[node].shape, plan.mesh)))
     run = _interpreter(captured, specs, plan.mesh, mesh)
     jitted = jax.jit(run, in_shardings=tuple(shard(n) for n in captured.input_nodes),
                      out_shardings=tuple(shard(n) for n in captured.output_nodes))
     return ShardedFunction(captured, jitted)
+
+
+def placeable_spec(spec: ShardingSpec, shape: tuple[int, ...], logical: LogicalMesh) -> ShardingSpec:
+    """The spec with padded (uneven) splits dropped: jit arguments and results must divide evenly."""
+    return ShardingSpec(tuple(a if s % logical.axis_size(a) == 0 else () for s, a in zip(shape, spec.dims,
+                                                                                       strict=True)))
 
 
 def _check_plan(captured: Captured, plan: IntraPlan, mesh: Mesh) -> None:
