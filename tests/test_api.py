@@ -310,3 +310,27 @@ def test_unknown_method_and_bad_batch_argnums_are_clear_errors():
         parallel(jnp.ones((8, 8)))
     assert np.array_equal(parallelize(lambda x: x * 2, method=DataParallel(), batch_argnums=(0,))(
         jnp.ones((8, 8))), 2 * jnp.ones((8, 8)))
+
+
+def gpt_optax_program(batch=8, vocab=64, seq=16, hidden=64, ffn=128):
+    """The GPT step with optax's Adam: state = (params, optax state)."""
+    import optax
+
+    optimizer = optax.adam(1e-3)
+    params = gpt_params(vocab, seq, hidden, ffn)
+
+    def step(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(gpt_loss)(params, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    tokens = jax.random.randint(jax.random.key(3), (batch, seq + 1), 0, vocab)
+    return step, (params, optimizer.init(params)), (tokens,)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)])
+def test_gpt_with_optax_adam_matches_single_device(shape):
+    step, state, batch = gpt_optax_program()
+    parallel = parallelize(step, method=ShardParallel(mesh_shape=shape))
+    assert_same_training(parallel, step, state, batch)
