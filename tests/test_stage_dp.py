@@ -86,3 +86,11 @@ def test_placement_tiles_alpa_submeshes():
     assert origins == [(3, 0), (0, 0), (3, 2), (2, 0), (3, 3)]
     # Three 4-device pieces cannot tile two nodes of 6 devices.
     assert place_submeshes([(1, 4), (1, 4), (1, 4)], nodes=2, per_node=6) is None
+
+
+def test_interleaved_schedule_shrinks_fill_and_drain():
+    # 4 equal stages of 1 s, 8 micro-batches: 1F1B takes 8 + 3 = 11 s; with 3 chunks the
+    # fill and drain shrink to 3/3 s (Narayanan et al. 2021, the bubble divided by v).
+    assert pipeline_latency([1.0] * 4, 8) == 11.0
+    assert pipeline_latency([1.0] * 4, 8, chunks=3) == pytest.approx(9.0)
+    assert pipeline_latency([2.0, 1.0], 4) == 2.0 * 4 + 1.0

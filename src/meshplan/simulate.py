@@ -59,7 +59,8 @@ def to_training_plan(plan: PipelinePlan, job: TrainingJob, cluster: Cluster, lab
                             tflops * 1e12 / cluster.device.peak_flops, max(s.memory for s in plan.stages))
     return TrainingPlan(job.model.name, job.model.num_params(), (cluster.nodes, cluster.devices_per_node),
                         cluster.device.name, job.global_batch, job.seq_len, plan.microbatch_size,
-                        plan.num_microbatches, stages, prediction, label)
+                        plan.num_microbatches, stages, prediction, label,
+                        schedule="1f1b" if plan.chunks == 1 else f"interleaved-1f1b-{plan.chunks}")
 
 
 def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,

@@ -91,8 +91,10 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
 
 
 def uniform_pipeline(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: int, b: int,
-                     options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES) -> PipelinePlan | None:
-    """pp stages with (nearly) equal layer counts, all on the view `costs` was priced on."""
+                     options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES,
+                     chunks: int = 1) -> PipelinePlan | None:
+    """pp stages with (nearly) equal layer counts, all on the view `costs` was priced on; with
+    `chunks` > 1 the interleaved schedule, whose extra sends are priced too."""
     layers, num_microbatches = job.model.layers, job.global_batch // b
     capacity = cluster.device.memory_bytes * options.memory_fraction
     bounds = [round(j * layers / pp) for j in range(pp + 1)]
@@ -102,13 +104,15 @@ def uniform_pipeline(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: i
                                   recompute)
         if estimate is None:
             return None
+        if chunks > 1 and j < pp - 1:  # each chunk boundary is one more send and receive
+            estimate = replace(estimate, latency=estimate.latency + (chunks - 1) * costs.transfer)
         stages.append(estimate)
-    return pipeline_plan(stages, b, num_microbatches)
+    return pipeline_plan(stages, b, num_microbatches, chunks=chunks)
 
 
 def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int, microbatch_size: int,
                            options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES,
-                           priced: dict | None = None) -> PipelinePlan | None:
+                           priced: dict | None = None, chunks: int = 1) -> PipelinePlan | None:
     """Predict one given Megatron-style configuration (to compare with published runs)."""
     priced = priced if priced is not None else {}
     dp = cluster.num_devices // (tp * pp)
@@ -121,7 +125,7 @@ def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int,
         task = (key, job, cluster, shape, index, microbatch_size, job.global_batch // microbatch_size, options, True)
         priced.update(run_tasks([task], 1, None, "pricing configuration"))
     costs = priced[key]
-    return uniform_pipeline(job, cluster, costs, pp, microbatch_size, options, recompute) if costs else None
+    return uniform_pipeline(job, cluster, costs, pp, microbatch_size, options, recompute, chunks) if costs else None
 
 
 def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,

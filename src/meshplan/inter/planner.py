@@ -95,10 +95,11 @@ class PipelinePlan:
     num_microbatches: int
     iteration_time: float
     label: str = "auto"
+    chunks: int = 1  # model chunks per device (interleaved 1F1B when > 1)
 
     @property
     def pipeline_time(self) -> float:
-        return pipeline_latency([s.latency for s in self.stages], self.num_microbatches)
+        return pipeline_latency([s.latency for s in self.stages], self.num_microbatches, self.chunks)
 
     @property
     def sync_time(self) -> float:
@@ -248,10 +249,11 @@ def plan_from_costs(job: TrainingJob, cluster: Cluster, b: int, per_shape: list[
     return pipeline_plan(stages, b, num_microbatches)
 
 
-def pipeline_plan(stages: list[StageEstimate], b: int, num_microbatches: int, label: str = "auto") -> PipelinePlan:
-    latency = pipeline_latency([s.latency for s in stages], num_microbatches)
+def pipeline_plan(stages: list[StageEstimate], b: int, num_microbatches: int, label: str = "auto",
+                  chunks: int = 1) -> PipelinePlan:
+    latency = pipeline_latency([s.latency for s in stages], num_microbatches, chunks)
     sync = max(s.sync_time + s.update_time for s in stages)
-    return PipelinePlan(tuple(stages), b, num_microbatches, latency + sync, label)
+    return PipelinePlan(tuple(stages), b, num_microbatches, latency + sync, label, chunks)
 
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,

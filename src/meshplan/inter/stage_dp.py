@@ -47,9 +47,12 @@ class StagePlan:
         return max(s.latency for s in self.stages)
 
 
-def pipeline_latency(latencies: Sequence[float], num_microbatches: int) -> float:
-    """1F1B/GPipe latency of one iteration: fill and drain plus (B - 1) slowest steps."""
-    return sum(latencies) + (num_microbatches - 1) * max(latencies)
+def pipeline_latency(latencies: Sequence[float], num_microbatches: int, chunks: int = 1) -> float:
+    """1F1B/GPipe latency of one iteration: B steps of the slowest stage plus the fill and drain
+    of the others. With the interleaved schedule (each device holds `chunks` model chunks,
+    Narayanan et al. 2021) the fill and drain shrink by that factor."""
+    slowest = max(latencies)
+    return num_microbatches * slowest + (sum(latencies) - slowest) / chunks
 
 
 def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
