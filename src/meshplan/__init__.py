@@ -23,6 +23,7 @@ from meshplan.sharding.spec import ShardingSpec
 _RUNTIME = {
     "parallelize": "meshplan.api", "ShardParallel": "meshplan.api", "DataParallel": "meshplan.api",
     "Zero2Parallel": "meshplan.api", "Zero3Parallel": "meshplan.api", "TensorParallel": "meshplan.api",
+    "PipeshardParallel": "meshplan.pipeshard",
     "capture": "meshplan.capture", "mark_pipeline_boundary": "meshplan.runtime",
 }
 

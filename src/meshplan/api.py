@@ -29,6 +29,7 @@ from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
+from meshplan.pipeshard import PipeshardFunction, PipeshardParallel
 from meshplan.runtime.sharded import (
     ShardedFunction,
     execute_sharded,
@@ -143,7 +144,8 @@ class TensorParallel:
         return False
 
 
-Method = ShardParallel | DataParallel | Zero2Parallel | Zero3Parallel | TensorParallel
+Method = ShardParallel | DataParallel | Zero2Parallel | Zero3Parallel | TensorParallel | PipeshardParallel
+# Methods a ParallelizedFunction runs; PipeshardParallel has its own PipeshardFunction.
 _METHODS = (ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, TensorParallel)
 
 
@@ -291,7 +293,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
     method = ShardParallel() if method is None else method
     argnums = tuple(batch_argnums)
 
-    def wrap(f: Callable[..., Any]) -> ParallelizedFunction:
+    def wrap(f: Callable[..., Any]) -> ParallelizedFunction | PipeshardFunction:
+        if isinstance(method, PipeshardParallel):  # a loss fn with boundaries: pipelined (loss, grads)
+            return PipeshardFunction(f, method, devices)
         return ParallelizedFunction(f, method, devices, argnums)
 
     return wrap if fn is None else wrap(fn)

@@ -1,0 +1,209 @@
+"""pipeshard: parallelize(loss_fn, method=PipeshardParallel(...)) on 8 fake CPU devices equals
+jax.value_and_grad on one device."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshplan import pipeshard as pipeshard_module
+from meshplan.api import parallelize
+from meshplan.errors import MeshError, OptionsError
+from meshplan.pipeshard import PipeshardFunction, PipeshardParallel, PipeshardPlan, apply_update
+from meshplan.runtime import Event, Phase, make_schedule, mark_pipeline_boundary
+
+SIZES = (16, 32, 32, 32, 4)  # 4 layers: 16 -> 32 -> 32 -> 32 -> 4
+BATCH = 8
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def mlp_layers(seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(SIZES) - 1)
+    return [{"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i), "b": jnp.full((o,), 0.1, jnp.float32)}
+            for k, i, o in zip(keys, SIZES[:-1], SIZES[1:], strict=True)]
+
+
+def data(seed=1):
+    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+    return (jax.random.normal(kx, (BATCH, SIZES[0]), jnp.float32),
+            jax.random.normal(ky, (BATCH, SIZES[-1]), jnp.float32))
+
+
+def layers(params, x):
+    for layer in params:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x
+
+
+def staged_loss(params, x, y):
+    """params[k] holds stage k's layers; a boundary after every stage but the last."""
+    for stage in params[:-1]:
+        x = mark_pipeline_boundary(layers(stage, x))
+    return jnp.mean((layers(params[-1], x) - y) ** 2)
+
+
+def stage_params(num_stages):
+    full, per = mlp_layers(), (len(SIZES) - 1) // num_stages
+    return [full[k * per:(k + 1) * per] for k in range(num_stages)]
+
+
+def reference(params, x, y):
+    return jax.jit(jax.value_and_grad(staged_loss))(*jax.device_put((params, x, y), jax.devices()[0]))
+
+
+def assert_trees_close(got, want):
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+def devices_of(tree):
+    return {d for leaf in jax.tree_util.tree_leaves(tree) for d in leaf.sharding.device_set}
+
+
+# --- numerics --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_micro_batches", [1, 4])
+def test_loss_and_grads_equal_value_and_grad(num_stages, schedule, num_micro_batches):
+    params, (x, y) = stage_params(num_stages), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(num_micro_batches, schedule=schedule))
+    assert isinstance(f, PipeshardFunction)
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = reference(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    assert_trees_close(grads, want_grads)
+    per = 8 // num_stages
+    for k, g in enumerate(grads):  # stage k's grads live on its contiguous group of devices
+        assert devices_of(g) == set(jax.devices()[k * per:(k + 1) * per])
+
+
+def test_three_sgd_steps_match_single_device():
+    params, (x, y) = stage_params(2), data()
+    sgd = lambda p, g: jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
+    f = parallelize(staged_loss, method=PipeshardParallel(4))
+    want = jax.device_put(params, jax.devices()[0])
+    losses, want_losses = [], []
+    for _ in range(3):
+        loss, grads = f(params, x, y)
+        params = apply_update(params, grads, sgd)
+        want_loss, want_grads = reference(want, x, y)
+        want = sgd(want, want_grads)
+        losses.append(float(loss))
+        want_losses.append(float(want_loss))
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    assert losses[2] < losses[0]
+    assert_trees_close(params, want)
+
+
+def test_explicit_disjoint_stages():
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2, stages=[[7, 1, 3], (0,)]))
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = reference(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    assert_trees_close(grads, want_grads)
+    devices = jax.devices()
+    assert devices_of(grads[0]) == {devices[7], devices[1], devices[3]}
+    assert devices_of(grads[1]) == {devices[0]}
+    assert f.get_plan().stage_devices == ((7, 1, 3), (0,))
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("stages", "message"), [
+    (((0, 1), (1, 2)), "device index 1 is in stages 0 and 1; give each stage a disjoint set of devices"),
+    (((0, 1), (8,)), "stage 1 uses device index 8, but only 8 devices exist; use indices in \\[0, 8\\)"),
+    (((0, 1), (-1,)), "stage 1 uses device index -1"),
+    (((0, 1), ()), "stage 1 has no devices"),
+    (((0,), (1,), (2,)), "gives 3 stages but the function has 2"),
+])
+def test_bad_explicit_stages_are_rejected(stages, message):
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2, stages=stages))
+    with pytest.raises(MeshError, match=message):
+        f(params, x, y)
+
+
+def test_auto_stages_need_a_divisible_device_count():
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2), devices=jax.devices()[:7])
+    with pytest.raises(MeshError, match="splits 7 devices into 2 equal stages, but 7 is not divisible by 2"):
+        f(params, x, y)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(num_micro_batches=0), "num_micro_batches=0"),
+    (dict(num_micro_batches=2, schedule="zb"), "schedule='zb'"),
+    (dict(num_micro_batches=2, stages="even"), "stages='even'"),
+])
+def test_bad_options_are_rejected(kwargs, message):
+    with pytest.raises(OptionsError, match=message):
+        PipeshardParallel(**kwargs)
+
+
+def test_micro_batches_must_divide_the_batch():
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(3))
+    with pytest.raises(OptionsError, match="x has leading sizes \\[8\\] which do not split into 3 equal"):
+        f(params, x, y)
+
+
+def test_get_plan_before_a_call_is_an_error():
+    f = parallelize(staged_loss, method=PipeshardParallel(2))
+    with pytest.raises(OptionsError, match="call it once with example arguments first"):
+        f.get_plan()
+
+
+# --- plan, debug info, cache ----------------------------------------------------------------------
+
+def test_get_plan_describes_the_last_run():
+    params, (x, y) = stage_params(4), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(4, schedule="1f1b"))
+    f(params, x, y)
+    assert f.get_plan() == PipeshardPlan(num_stages=4, stage_devices=((0, 1), (2, 3), (4, 5), (6, 7)),
+                                         schedule="1f1b", num_micro_batches=4,
+                                         events=make_schedule("1f1b", 4, 4))
+    assert f.get_plan().events[:2] == (Event(0, 0, Phase.FORWARD), Event(0, 1, Phase.FORWARD))
+
+
+def test_dump_debug_info(tmp_path):
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2, schedule="gpipe"))
+    f(params, x, y)
+    paths = f.dump_debug_info(tmp_path / "debug")
+    assert [p.name for p in paths] == ["stage_0_forward.hlo.txt", "stage_1_forward.hlo.txt", "pipeshard.json"]
+    assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == sorted(p.name for p in paths)  # no temp files
+    # Two tanh layers per stage, traced at the micro-batch size 8 / 2 = 4; stage 1 also reads targets.
+    first, second = paths[0].read_text(), paths[1].read_text()
+    assert first.count("stablehlo.tanh") == 2 and second.count("stablehlo.tanh") == 2
+    assert "tensor<4x16xf32>" in first and "tensor<4x32xf32>" in second and "tensor<4x4xf32>" in second
+    summary = json.loads(paths[2].read_text())
+    assert summary == {"schema_version": 1, "num_stages": 2, "stage_devices": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                       "schedule": "gpipe", "num_micro_batches": 2,
+                       "events": ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]}
+
+
+def test_second_call_with_the_same_shapes_does_not_resplit(monkeypatch):
+    calls, split = [], pipeshard_module.split_into_stages
+
+    def counting_split(*args, **kwargs):
+        calls.append(1)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(pipeshard_module, "split_into_stages", counting_split)
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2))
+    f(params, x, y)
+    pipeline = f._cache[next(iter(f._cache))].pipeline
+    f(params, x, y)
+    assert len(calls) == 1 and f._cache[next(iter(f._cache))].pipeline is pipeline
+    f(params, x[:4], y[:4])  # new batch size: new split
+    assert len(calls) == 2
+    f(params, x, y)  # back to the first signature: cached
+    assert len(calls) == 2
