@@ -50,3 +50,28 @@ def transformer_args(batch=8, seq=16, hidden=64, ffn=256, seed=0):
     pairs = zip(k[:6], shapes.items(), strict=True)
     params = {n: jax.random.normal(key, shape) / shape[0] ** 0.5 for key, (n, shape) in pairs}
     return params, jax.random.normal(k[6], (batch, seq, hidden))
+
+
+# A 4-layer tanh MLP as a list of per-layer parameters, for the pipeline tests.
+PIPE_SIZES = (16, 32, 32, 32, 4)  # 16 -> 32 -> 32 -> 32 -> 4
+PIPE_BATCH = 8
+
+
+def pipe_mlp_params(seed=0):
+    import numpy as np
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(PIPE_SIZES) - 1)
+    return [{"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i), "b": jnp.full((o,), 0.1, jnp.float32)}
+            for k, i, o in zip(keys, PIPE_SIZES[:-1], PIPE_SIZES[1:], strict=True)]
+
+
+def pipe_data(seed=1):
+    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+    return (jax.random.normal(kx, (PIPE_BATCH, PIPE_SIZES[0]), jnp.float32),
+            jax.random.normal(ky, (PIPE_BATCH, PIPE_SIZES[-1]), jnp.float32))
+
+
+def pipe_layers(params, x):
+    for layer in params:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x

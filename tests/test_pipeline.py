@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
+from jax_models import PIPE_BATCH, PIPE_SIZES, pipe_data, pipe_layers, pipe_mlp_params
 from meshplan.errors import GraphError, MeshError, OptionsError
 from meshplan.runtime import (
     Event,
@@ -20,28 +21,10 @@ from meshplan.runtime import (
     split_into_stages,
 )
 
-SIZES = (16, 32, 32, 32, 4)  # 4 layers: 16 -> 32 -> 32 -> 32 -> 4
-BATCH = 8
+SIZES, BATCH = PIPE_SIZES, PIPE_BATCH
 TOL = dict(rtol=1e-5, atol=1e-6)
+mlp_params, data, layers = pipe_mlp_params, pipe_data, pipe_layers
 F, B = Phase.FORWARD, Phase.BACKWARD
-
-
-def mlp_params(seed=0):
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(SIZES) - 1)
-    return [{"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i), "b": jnp.full((o,), 0.1, jnp.float32)}
-            for k, i, o in zip(keys, SIZES[:-1], SIZES[1:], strict=True)]
-
-
-def data(seed=1):
-    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-    return (jax.random.normal(kx, (BATCH, SIZES[0]), jnp.float32),
-            jax.random.normal(ky, (BATCH, SIZES[-1]), jnp.float32))
-
-
-def layers(params, x):
-    for layer in params:
-        x = jnp.tanh(x @ layer["w"] + layer["b"])
-    return x
 
 
 def loss_of(out, y):
