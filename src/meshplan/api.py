@@ -168,7 +168,7 @@ class ParallelizedFunction:
         if not isinstance(method, _METHODS):
             raise OptionsError(
                 f"parallelize(method={method!r}): unknown method; use ShardParallel(), DataParallel(), "
-                "Zero2Parallel() or Zero3Parallel()")
+                "Zero2Parallel(), Zero3Parallel(), TensorParallel() or PipeshardParallel(...)")
         self.fn, self.method, self.batch_argnums = fn, method, batch_argnums
         self.devices = None if devices is None else tuple(devices)
         self._cache: dict[Any, _Compiled] = {}
