@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_models import PIPE_BATCH, PIPE_SIZES, pipe_data, pipe_layers, pipe_mlp_params
 from meshplan.errors import GraphError, MeshError, OptionsError
@@ -17,6 +17,7 @@ from meshplan.runtime import (
     apply_update,
     make_schedule,
     mark_pipeline_boundary,
+    place_params,
     run_pipeline,
     split_into_stages,
 )
@@ -237,3 +238,77 @@ def test_split_handles_custom_jvp_ops_and_a_two_value_boundary():
     split = lambda p: last(p[1], first(p[0], x), y)
     np.testing.assert_allclose(float(split(params)), float(fn(params, x, y)), **TOL)
     assert_trees_close(jax.grad(split)(params), jax.grad(fn)(params, x, y))
+
+
+# --- data parallelism inside each stage ---------------------------------------------------------
+
+
+def recording_pipeline(num_stages, seen):
+    """`mlp_pipeline` with data_parallel=True whose stages record the sharding their input is compiled with."""
+    def record(k, x):
+        jax.debug.inspect_array_sharding(x, callback=lambda s: seen.setdefault(k, []).append(s))
+        return x
+
+    per = (len(SIZES) - 1) // num_stages
+    fns = [lambda p, x, k=k: layers(p, record(k, x)) for k in range(num_stages - 1)]
+    fns.append(lambda p, x, y: loss_of(layers(p, record(num_stages - 1, x)), y))
+    params = mlp_params()
+    pipeline = Pipeline(fns, stage_meshes(num_stages), data_parallel=True)
+    return pipeline, [params[k * per:(k + 1) * per] for k in range(num_stages)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_data_parallel_stages_match_value_and_grad_and_split_the_batch(num_stages, num_micro_batches, schedule):
+    seen = {}
+    pipeline, params = recording_pipeline(num_stages, seen)
+    x, y = data()
+    result = run_pipeline(pipeline, params, x, y, num_micro_batches, schedule)
+    want_loss, want_grads = reference(mlp_params(), x, y)
+    np.testing.assert_allclose(float(result.loss), float(want_loss), **TOL)
+    assert_trees_close(flat_grads(result.grads), want_grads)
+    per_stage, micro = 8 // num_stages, BATCH // num_micro_batches
+    per = (len(SIZES) - 1) // num_stages
+    for k, mesh in enumerate(pipeline.stage_meshes):
+        assert pipeline.activation_sharding(k) == NamedSharding(mesh, PartitionSpec(("x",)))
+        # Each device of stage k computes on micro / per_stage rows of the stage's input.
+        width = SIZES[k * per]
+        assert seen[k] and {s.shard_shape((micro, width)) for s in seen[k]} == {(micro // per_stage, width)}
+        for leaf in jax.tree_util.tree_leaves(result.grads[k]):  # grads summed over the stage: replicated
+            assert leaf.sharding.is_fully_replicated and leaf.sharding.device_set == set(mesh.devices.flat)
+
+
+@pytest.mark.parametrize(("data_parallel", "all_reduces"), [(False, 0), (True, 1)])
+def test_data_parallel_backward_sums_param_grads_with_one_all_reduce(data_parallel, all_reduces):
+    base, params = mlp_pipeline(2)
+    pipeline = Pipeline(base.stage_fns, base.stage_meshes, data_parallel=data_parallel)
+    x, _ = data()
+    y, vjp_fn = pipeline._forwards[0](place_params(pipeline, params)[0],
+                                      jax.device_put(x[:4], pipeline.activation_sharding(0)))
+    hlo = pipeline._backwards[0].lower(vjp_fn, y).compile().as_text()
+    # XLA combines the four param grads into one all-reduce; the input cotangent stays split.
+    assert hlo.count("all-reduce(") == all_reduces and hlo.count("all-gather(") == 0
+
+
+def test_data_parallel_activation_sharding_gives_each_device_its_rows():
+    pipeline, params = mlp_pipeline(2)
+    pipeline = Pipeline(pipeline.stage_fns, pipeline.stage_meshes, data_parallel=True)
+    x, _ = data()
+    placed = jax.device_put(x[:4], pipeline.activation_sharding(1))
+    assert placed.sharding.device_set == set(pipeline.stage_meshes[1].devices.flat)
+    assert [s.data.shape for s in placed.addressable_shards] == [(1, SIZES[0])] * 4
+
+
+def test_replicated_stages_keep_activations_replicated():
+    pipeline, _ = mlp_pipeline(2)
+    assert pipeline.activation_sharding(0) == NamedSharding(pipeline.stage_meshes[0], PartitionSpec())
+
+
+def test_data_parallel_micro_batch_must_divide_by_stage_devices():
+    pipeline, params = mlp_pipeline(2)
+    pipeline = Pipeline(pipeline.stage_fns, pipeline.stage_meshes, data_parallel=True)
+    x, y = data()
+    with pytest.raises(OptionsError, match=r"splits stage 0's micro-batch \(shape \(2, 16\)\) along dim 0 over "
+                                           r"its 4 devices, but 2 rows are not divisible by 4"):
+        run_pipeline(pipeline, params, x, y, 4)

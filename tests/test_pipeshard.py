@@ -124,6 +124,7 @@ def test_auto_stages_need_a_divisible_device_count():
     (dict(num_micro_batches=0), "num_micro_batches=0"),
     (dict(num_micro_batches=2, schedule="zb"), "schedule='zb'"),
     (dict(num_micro_batches=2, stages="even"), "stages='even'"),
+    (dict(num_micro_batches=2, data_parallel_stages=1), "data_parallel_stages=1"),
 ])
 def test_bad_options_are_rejected(kwargs, message):
     with pytest.raises(OptionsError, match=message):
@@ -168,7 +169,7 @@ def test_dump_debug_info(tmp_path):
     assert "tensor<4x16xf32>" in first and "tensor<4x32xf32>" in second and "tensor<4x4xf32>" in second
     summary = json.loads(paths[2].read_text())
     assert summary == {"schema_version": 1, "num_stages": 2, "stage_devices": [[0, 1, 2, 3], [4, 5, 6, 7]],
-                       "schedule": "gpipe", "num_micro_batches": 2,
+                       "schedule": "gpipe", "num_micro_batches": 2, "data_parallel_stages": False,
                        "events": ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]}
 
 
@@ -190,3 +191,45 @@ def test_second_call_with_the_same_shapes_does_not_resplit(monkeypatch):
     assert len(calls) == 2
     f(params, x, y)  # back to the first signature: cached
     assert len(calls) == 2
+
+
+# --- data parallelism inside each stage ------------------------------------------------------------
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+def test_data_parallel_stages_equal_value_and_grad(num_stages, schedule, num_micro_batches):
+    params, (x, y) = stage_params(num_stages), data()
+    method = PipeshardParallel(num_micro_batches, schedule=schedule, data_parallel_stages=True)
+    f = parallelize(staged_loss, method=method)
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = reference(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    assert_trees_close(grads, want_grads)
+    per = 8 // num_stages
+    for k, g in enumerate(grads):  # grads summed over the stage's devices: replicated on them
+        assert devices_of(g) == set(jax.devices()[k * per:(k + 1) * per])
+        assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(g))
+    assert f.get_plan().data_parallel_stages
+
+
+def test_data_parallel_stage_forwards_take_batch_split_activations(tmp_path):
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(2, data_parallel_stages=True))
+    f(params, x, y)
+    first, second, summary = f.dump_debug_info(tmp_path)
+    split = '{sdy.sharding = #sdy.sharding<@mesh, [{"devices"}, {}]>}'
+    replicated = '{sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}'
+    # Micro-batches of 4 rows split over 4 devices per stage; weights replicated.
+    assert f"tensor<4x16xf32> {split}" in first.read_text()
+    assert f"tensor<16x32xf32> {replicated}" in first.read_text()
+    assert f"tensor<4x32xf32> {split}" in second.read_text() and f"tensor<4x4xf32> {split}" in second.read_text()
+    assert json.loads(summary.read_text())["data_parallel_stages"] is True
+
+
+def test_data_parallel_stages_need_a_micro_batch_divisible_by_stage_devices():
+    params, (x, y) = stage_params(2), data()
+    f = parallelize(staged_loss, method=PipeshardParallel(4, data_parallel_stages=True))
+    with pytest.raises(OptionsError, match="splits each micro-batch of 2 examples .* but stage 0 has 4 devices "
+                                           "and 2 is not divisible by 4"):
+        f(params, x, y)

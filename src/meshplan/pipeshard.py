@@ -3,8 +3,9 @@
 `parallelize(loss_fn, method=PipeshardParallel(...))` cuts `loss_fn(params, x, targets)` at its
 `mark_pipeline_boundary` calls (runtime.boundary.split_into_stages), puts each stage on its own
 sub-mesh of devices and runs micro-batches through runtime.pipeline.run_pipeline. The split
-stages and the Pipeline are cached per input signature. Each stage runs replicated on its
-sub-mesh: no intra-op sharding inside a stage yet.
+stages and the Pipeline are cached per input signature. Params are replicated on their stage's
+sub-mesh; with `data_parallel_stages=True` each stage also splits its micro-batch along the batch
+dim over its devices (data parallelism inside the stage). No other intra-op sharding yet.
 """
 
 from __future__ import annotations
@@ -38,17 +39,24 @@ class PipeshardParallel:
         stages: "auto" (the devices split into equal contiguous groups, one per stage) or, per
             stage, the indices (into the device list, `jax.devices()` by default) of its devices.
         schedule: "1f1b" or "gpipe".
+        data_parallel_stages: split each micro-batch's activations, targets and cotangents along
+            the batch dim over the stage's devices (params stay replicated, grads are summed);
+            the micro-batch size must be divisible by every stage's device count.
     """
 
     num_micro_batches: int
     stages: Literal["auto"] | StageDevices = "auto"
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    data_parallel_stages: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
             raise OptionsError(f"PipeshardParallel(num_micro_batches={self.num_micro_batches!r}): use an int >= 1")
         if self.schedule not in SCHEDULES:
             raise OptionsError(f"PipeshardParallel(schedule={self.schedule!r}): use one of {sorted(SCHEDULES)}")
+        if not isinstance(self.data_parallel_stages, bool):
+            raise OptionsError(f"PipeshardParallel(data_parallel_stages={self.data_parallel_stages!r}): "
+                               f"use True or False")
         if self.stages != "auto":
             if isinstance(self.stages, str) or not all(isinstance(s, Sequence) for s in self.stages):
                 raise OptionsError(f"PipeshardParallel(stages={self.stages!r}): use 'auto' or a tuple of "
@@ -101,12 +109,13 @@ class PipeshardPlan:
     schedule: str
     num_micro_batches: int
     events: tuple[Event, ...] = ()  # the last call's steps, in dispatch order
+    data_parallel_stages: bool = False  # micro-batches split over each stage's devices
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; events as "F0.1" (phase, stage, micro-batch)."""
         return {"schema_version": SCHEMA_VERSION, "num_stages": self.num_stages,
                 "stage_devices": [list(s) for s in self.stage_devices], "schedule": self.schedule,
-                "num_micro_batches": self.num_micro_batches,
+                "num_micro_batches": self.num_micro_batches, "data_parallel_stages": self.data_parallel_stages,
                 "events": [f"{e.phase.value}{e.stage}.{e.micro_batch}" for e in self.events]}
 
 
@@ -182,12 +191,25 @@ class PipeshardFunction:
         indices = stage_device_indices(self.method.stages, len(params), len(devices))
         micro_x, micro_t = (_micro_example(t, name, self.method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
+        if self.method.data_parallel_stages:
+            _check_data_parallel(indices, jax.tree_util.tree_leaves(micro_x)[0].shape[0], self.method)
         stage_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
         meshes = [Mesh(np.array([devices[i] for i in idx]), ("devices",), axis_types=(AxisType.Auto,))
                   for idx in indices]
-        pipeline = Pipeline(stage_fns, meshes)
-        plan = PipeshardPlan(len(params), indices, self.method.schedule, self.method.num_micro_batches)
+        pipeline = Pipeline(stage_fns, meshes, data_parallel=self.method.data_parallel_stages)
+        plan = PipeshardPlan(len(params), indices, self.method.schedule, self.method.num_micro_batches,
+                             data_parallel_stages=self.method.data_parallel_stages)
         return _Compiled(pipeline, plan, _stage_examples(pipeline, params, micro_x, micro_t))
+
+
+def _check_data_parallel(indices: StageDevices, micro_batch: int, method: PipeshardParallel) -> None:
+    for k, stage in enumerate(indices):
+        if micro_batch % len(stage):
+            raise OptionsError(
+                f"PipeshardParallel(data_parallel_stages=True) splits each micro-batch of {micro_batch} examples "
+                f"(batch / num_micro_batches={method.num_micro_batches}) over the devices of each stage, but stage "
+                f"{k} has {len(stage)} devices and {micro_batch} is not divisible by {len(stage)}; use a "
+                f"micro-batch size divisible by every stage's device count, or data_parallel_stages=False")
 
 
 def _stage_examples(pipeline: Pipeline, params: Sequence[Any], x: Any, targets: Any) -> tuple[tuple[Any, ...], ...]:
@@ -196,11 +218,14 @@ def _stage_examples(pipeline: Pipeline, params: Sequence[Any], x: Any, targets: 
     for k, fn in enumerate(pipeline.stage_fns):
         last = k == pipeline.num_stages - 1
         args = (_shapes(params[k]), act, *((_shapes(targets),) if last else ()))
-        placed = jax.tree_util.tree_map(
-            lambda s, k=k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=pipeline.sharding(k)), args)
-        examples.append(placed)
+        shardings = (pipeline.sharding(k), *[pipeline.activation_sharding(k)] * (len(args) - 1))
+        examples.append(tuple(_placed(a, where) for a, where in zip(args, shardings, strict=True)))
         act = jax.eval_shape(fn, *args)
     return tuple(examples)
+
+
+def _placed(tree: Any, sharding: Any) -> Any:
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
 
 
 def _micro_example(tree: Any, name: str, count: int) -> Any:

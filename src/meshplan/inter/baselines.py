@@ -165,4 +165,4 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
 
 
 def _static(costs: ViewCosts) -> float:
-    return sum(m[0].static_bytes for m in costs.blocks) + costs.embedding.static_bytes + costs.head.static_bytes
+    return sum(m[0].static_bytes for m in (*costs.blocks, costs.embedding, costs.head))

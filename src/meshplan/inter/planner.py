@@ -154,14 +154,14 @@ def price_view(job: TrainingJob, cluster: Cluster, shape: tuple[int, int], view_
     flops = cluster.device.peak_flops * options.efficiency
     axis = batch_axis(mesh)
     blocks, embed, head = _pieces(job.model, b, job.seq_len, job.dtype, job.optimizer)
-    menus = {moe: (profile_menu(g, mesh, flops, num_microbatches, MEMORY_PRICES[:2], axis) if lean
-                   else (profile_piece(g, mesh, flops, num_microbatches, force_batch_axis=axis)[0],))
-             for moe, g in blocks.items()}
-    embedding_cost, _ = profile_piece(embed, mesh, flops, num_microbatches, force_batch_axis=axis)
-    head_cost, _ = profile_piece(head, mesh, flops, num_microbatches, force_batch_axis=axis)
+    def menu(graph) -> tuple:
+        if lean:
+            return profile_menu(graph, mesh, flops, num_microbatches, MEMORY_PRICES[:2], axis)
+        return (profile_piece(graph, mesh, flops, num_microbatches, force_batch_axis=axis)[0],)
+
+    menus = {moe: menu(g) for moe, g in blocks.items()}
     per_block = tuple(menus[job.model.is_moe_layer(i)] for i in range(job.model.layers))
-    return ViewCosts(shape, mesh.shape, per_block, embedding_cost, head_cost,
-                     transfer_time(job, cluster, mesh, b))
+    return ViewCosts(shape, mesh.shape, per_block, menu(embed), menu(head), transfer_time(job, cluster, mesh, b))
 
 
 def batch_axis(mesh: LogicalMesh) -> int:

@@ -59,8 +59,9 @@ class PieceCost:
 
 
 ZERO_COST = PieceCost(0, 0, 0, 0, 0, 0, 0, 0, 0)
-# Memory prices tried per mesh, relative to (time / static memory) of the fastest plan: 0 gives
-# the fastest plan, larger prices plans that shard weights and optimizer state further.
+# Memory prices tried per mesh, in units of the slowest axis' seconds per byte (holding a byte
+# costs as much as moving it once over that axis): 0 gives the fastest plan, larger prices
+# plans that shard optimizer state and weights further.
 MEMORY_PRICES = (0.0, 1.0, 16.0)
 # Seconds per byte charged on every value: breaks ties between equally fast plans towards the
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
@@ -85,7 +86,7 @@ def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, 
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
     fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis)
     menu = [fastest]
-    unit = fastest.time / max(fastest.static_bytes, 1.0)
+    unit = max(mesh.beta)
     for factor in prices:
         if factor <= 0:
             continue

@@ -24,7 +24,8 @@ class ViewCosts:
     Attributes:
         shape: the physical sub-mesh (nodes, devices per node); view: the logical mesh shape.
         blocks: per block index, its menu (fastest first, then leaner in memory).
-        embedding, head: costs of the first stage's embedding and the last stage's head.
+        embedding, head: menus of the first stage's embedding and the last stage's head (a
+            stage uses the same menu entry for all its pieces).
         transfer: seconds to send one micro-batch's activations to the next stage and its
             gradient back.
     """
@@ -32,8 +33,8 @@ class ViewCosts:
     shape: tuple[int, int]
     view: tuple[int, ...]
     blocks: tuple[tuple[PieceCost, ...], ...]
-    embedding: PieceCost
-    head: PieceCost
+    embedding: tuple[PieceCost, ...]
+    head: tuple[PieceCost, ...]
     transfer: float
 
     @property
@@ -63,10 +64,14 @@ def range_cost(costs: ViewCosts, menu: int, first: int, last: int) -> PieceCost:
     """Summed costs of blocks first..last with menu entry `menu`, plus embedding/head at the ends."""
     total = sum((_entry(costs.blocks[layer], menu) for layer in range(first, last + 1)), start=_zero())
     if first == 0:
-        total = total + costs.embedding
+        total = total + _entry(costs.embedding, menu)
     if last == len(costs.blocks) - 1:
-        total = total + costs.head
+        total = total + _entry(costs.head, menu)
     return total
+
+
+def menu_size(costs: ViewCosts) -> int:
+    return max(len(m) for m in (*costs.blocks, costs.embedding, costs.head))
 
 
 def _entry(menu: tuple[PieceCost, ...], index: int) -> PieceCost:
@@ -88,8 +93,8 @@ def stage_memory(cost: PieceCost, inflight: int, recompute: str, largest_activat
 
 def _largest(costs: ViewCosts, menu: int, first: int, last: int, field: str) -> float:
     pieces = [_entry(costs.blocks[k], menu) for k in range(first, last + 1)]
-    pieces += [costs.embedding] if first == 0 else []
-    pieces += [costs.head] if last == len(costs.blocks) - 1 else []
+    pieces += [_entry(costs.embedding, menu)] if first == 0 else []
+    pieces += [_entry(costs.head, menu)] if last == len(costs.blocks) - 1 else []
     return max(getattr(p, field) for p in pieces)
 
 
@@ -103,7 +108,7 @@ def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, nu
     inflight = min(stages_left, num_microbatches)
     transfer = costs.transfer if last < len(costs.blocks) - 1 else 0.0
     best = None
-    for menu in range(max(len(m) for m in costs.blocks)):
+    for menu in range(menu_size(costs)):
         cost = range_cost(costs, menu, first, last)
         # The largest piece of the model, as in `latency_table` (an upper bound per range).
         largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
@@ -130,7 +135,7 @@ def leanest_memory(costs: ViewCosts, first: int, last: int, stages_left: int, nu
     """The least memory any (menu, recomputation) choice of the stage needs."""
     inflight = min(stages_left, num_microbatches)
     needs = []
-    for menu in range(max(len(m) for m in costs.blocks)):
+    for menu in range(menu_size(costs)):
         cost = range_cost(costs, menu, first, last)
         largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
         transient = _largest(costs, menu, 0, len(costs.blocks) - 1, "transient_bytes")
@@ -154,7 +159,7 @@ def latency_table(per_shape: list[list[ViewCosts]], num_layers: int, num_microba
     table = np.full((num_layers, num_layers, len(per_shape), max_stages + 1), np.inf)
     for m, views in enumerate(per_shape):
         for costs in views:
-            for menu in range(max(len(x) for x in costs.blocks)):
+            for menu in range(menu_size(costs)):
                 _fill_menu(table, m, costs, menu, num_microbatches, capacity)
     return table
 
@@ -164,6 +169,7 @@ def _fill_menu(table: np.ndarray, m: int, costs: ViewCosts, menu: int, num_micro
     """Vectorised over (first, last, stages left) for one menu entry."""
     k_layers = len(costs.blocks)
     entries = [_entry(costs.blocks[k], menu) for k in range(k_layers)]
+    embedding, head = _entry(costs.embedding, menu), _entry(costs.head, menu)
     fields = ("time", "forward_time", "sync_time", "update_time", "static_bytes", "activation_bytes", "input_bytes")
     prefix = {f: np.concatenate([[0.0], np.cumsum([getattr(e, f) for e in entries])]) for f in fields}
     first = np.arange(k_layers)[:, None]
@@ -172,12 +178,12 @@ def _fill_menu(table: np.ndarray, m: int, costs: ViewCosts, menu: int, num_micro
     sums = {f: prefix[f][last + 1] - prefix[f][first] for f in fields}
     for f in fields:
         ends = np.zeros((k_layers, k_layers))
-        ends += np.where(first == 0, getattr(costs.embedding, f), 0.0)
-        ends += np.where(last == k_layers - 1, getattr(costs.head, f), 0.0)
+        ends += np.where(first == 0, getattr(embedding, f), 0.0)
+        ends += np.where(last == k_layers - 1, getattr(head, f), 0.0)
         sums[f] = sums[f] + ends
     # Working memory and recomputed activations of the largest piece (an upper bound per range).
-    transient = max(e.transient_bytes for e in [*entries, costs.embedding, costs.head])
-    largest = max(e.activation_bytes for e in [*entries, costs.embedding, costs.head])
+    transient = max(e.transient_bytes for e in [*entries, embedding, head])
+    largest = max(e.activation_bytes for e in [*entries, embedding, head])
     transfer = np.where(last < k_layers - 1, costs.transfer, 0.0)
     stages = np.arange(table.shape[3])
     inflight = np.minimum(stages, num_microbatches)[None, None, :]

@@ -90,6 +90,10 @@ class StrategyGraph:
                                                               self.mesh, self.model)
         return self._reshard_cache[key]
 
+    def once_per_iteration(self, node_id: int) -> float:
+        """Weight of resharding into an optimizer-update node (it runs once per iteration)."""
+        return self.model.accumulation_weight if self.graph[node_id].attr("per_iteration") else 1.0
+
     def reshard_cost(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> float:
         collectives = self.reshard(producer, src, dst)
         return sum(c.cost for c in collectives) if collectives else 0.0
@@ -109,9 +113,10 @@ class StrategyGraph:
             compute += strategy.compute
             communication += strategy.communication
             penalty += strategy.penalty
+            weight = self.once_per_iteration(node.id)
             for operand, required in zip(node.operands, strategy.operands, strict=True):
                 produced = self.nodes[operand].strategies[choice[operand]].output
-                resharding += self.reshard_cost(operand, produced, required)
+                resharding += self.reshard_cost(operand, produced, required) * weight
         for node_id in self.graph.force_replicated:
             produced = self.nodes[node_id].strategies[choice[node_id]].output
             resharding += self.reshard_cost(node_id, produced, ShardingSpec.replicated(produced.rank))
@@ -163,10 +168,12 @@ def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:
         h = sg.leader[operand]
         produced = [s.output for s in sg.nodes[operand].strategies]
         required = [s.operands[position] for s in ns.strategies]
+        weight = sg.once_per_iteration(node_id)
         if h == g:  # same decision: strategy i meets strategy i
-            sg.resharding[g] += [sg.reshard_cost(operand, produced[i], required[i]) for i in range(len(required))]
+            sg.resharding[g] += [sg.reshard_cost(operand, produced[i], required[i]) * weight
+                                 for i in range(len(required))]
             continue
-        matrix = _reshard_matrix(sg, operand, produced, required)
+        matrix = _reshard_matrix(sg, operand, produced, required) * weight
         key, matrix = ((h, g), matrix) if h < g else ((g, h), matrix.T)
         sg.edges[key] = sg.edges[key] + matrix if key in sg.edges else matrix
 

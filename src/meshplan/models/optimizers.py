@@ -55,7 +55,7 @@ def append_sgd(builder: GraphBuilder, params: Sequence[int], grads: Grads, lr: f
 
 def append_adam(builder: GraphBuilder, params: Sequence[int], grads: Grads, lr: float = 1e-3, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, master_dtype: DType | str | None = None,
-                step: int = 1) -> dict[int, int]:
+                step: int = 1, relayout: bool = False) -> dict[int, int]:
     """Append an Adam update for every parameter, with its state, and alias all of it in place.
 
     Per parameter: state parameters `<param>.adam_m` and `<param>.adam_v` (fp32, or f64 for f64
@@ -67,6 +67,10 @@ def append_adam(builder: GraphBuilder, params: Sequence[int], grads: Grads, lr: 
     With `master_dtype` ("f32") and a bf16/f16 parameter, the update runs on an fp32 master
     copy `<param>.master` (aliased to its update) and the new low-precision weight is its
     conversion. Without a master copy, low-precision weights are updated in fp32 and rounded.
+
+    With `relayout`, each new weight passes through a `copy` marked `relayout`: the planner
+    may lay it out apart from the optimizer state it comes from (weights whole, state sharded:
+    ZeRO-1), paying one gather per step.
 
     Returns:
         {param: id of the updated parameter, in the parameter's dtype}.
@@ -81,6 +85,9 @@ def append_adam(builder: GraphBuilder, params: Sequence[int], grads: Grads, lr: 
         param = builder.node(p)
         with builder.layer(param.layer, param.source):
             updated[p] = _adam_one(builder, param, grad_of[p], config, master)
+            if relayout:
+                updated[p] = builder.unary("copy", updated[p])
+                builder.tag(updated[p], relayout=True)
         builder.alias(p, updated[p])
     return updated
 

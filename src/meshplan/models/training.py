@@ -92,7 +92,7 @@ def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], o
     for w in weights:
         _mark_accumulated(b, grads[w])
     backward_end = len(b) - 1
-    updated = append_adam(b, weights, grads, master_dtype=DType.F32) if optimizer == "adam" \
+    updated = append_adam(b, weights, grads, master_dtype=DType.F32, relayout=True) if optimizer == "adam" \
         else append_sgd(b, weights, grads)
     for node_id in range(backward_end + 1, len(b)):
         b.tag(node_id, per_iteration=True)

@@ -4,6 +4,11 @@ Each stage is jitted on its own sub-mesh; a micro-batch's forward saves the stag
 function, activations and cotangents hop between sub-meshes with `jax.device_put`, and a GPipe
 or 1F1B schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous, so
 steps of different stages that the schedule puts side by side overlap on their devices.
+
+Params are replicated on their stage's sub-mesh. With `data_parallel=True` the activations,
+targets and cotangents are split along the batch dim (dim 0) over the stage's devices, so each
+device runs its slice of the micro-batch and XLA all-reduces the param grads inside the
+backward, whose output sharding is replicated.
 """
 
 from __future__ import annotations
@@ -44,19 +49,25 @@ class Pipeline:
 
     `stage_fns[k](params_k, x) -> y` for every stage but the last, which is
     `stage_fns[-1](params, x, targets) -> scalar loss`. Sub-meshes must not share devices.
+    With `data_parallel=True`, every activation, target and cotangent leaf is split along dim 0
+    over all of its stage's devices (`activation_sharding`); params stay replicated.
     """
 
     stage_fns: tuple[StageFn, ...]
     stage_meshes: tuple[Mesh, ...]
+    data_parallel: bool = False
     _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+    _backwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_fns", tuple(self.stage_fns))
         object.__setattr__(self, "stage_meshes", tuple(self.stage_meshes))
         _check_stages(self.stage_fns, self.stage_meshes)
         last = len(self.stage_fns) - 1
-        forwards = tuple(_jit_forward(fn, is_last=k == last) for k, fn in enumerate(self.stage_fns))
+        forwards, backwards = zip(*(_jit_stage(fn, self.sharding(k), self.activation_sharding(k), k == last)
+                                    for k, fn in enumerate(self.stage_fns)), strict=True)
         object.__setattr__(self, "_forwards", forwards)
+        object.__setattr__(self, "_backwards", backwards)
 
     @property
     def num_stages(self) -> int:
@@ -64,8 +75,30 @@ class Pipeline:
         return len(self.stage_fns)
 
     def sharding(self, stage: int) -> NamedSharding:
-        """Where stage `stage` keeps its params and activations: replicated on its sub-mesh."""
+        """Where stage `stage` keeps its params, grads and loss: replicated on its sub-mesh."""
         return NamedSharding(self.stage_meshes[stage], PartitionSpec())
+
+    def activation_sharding(self, stage: int) -> NamedSharding:
+        """Where stage `stage` keeps its activations, targets and cotangents: dim 0 split over
+        all of its sub-mesh's axes with `data_parallel`, else replicated."""
+        mesh = self.stage_meshes[stage]
+        return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)) if self.data_parallel else PartitionSpec())
+
+    def check_batch_split(self, stage: int, tree: Any, what: str) -> None:
+        """Raise OptionsError if `data_parallel` cannot split `tree`'s leaves over stage `stage`'s devices."""
+        count = self.stage_meshes[stage].devices.size
+        if not self.data_parallel:
+            return
+        for leaf in jax.tree_util.tree_leaves(tree):
+            where = f"Pipeline(data_parallel=True) splits stage {stage}'s {what} (shape {leaf.shape}) along dim 0"
+            if not leaf.ndim:
+                raise OptionsError(f"{where}, but it is a scalar; give every activation leaf a leading batch dim, "
+                                   f"or use data_parallel=False")
+            if leaf.shape[0] % count:
+                raise OptionsError(
+                    f"{where} over its {count} devices, but {leaf.shape[0]} rows are not divisible by {count}; use a "
+                    f"micro-batch size (batch / num_micro_batches) divisible by every stage's device count, "
+                    f"or data_parallel=False")
 
 
 class PipelineResult(NamedTuple):
@@ -89,13 +122,22 @@ def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
             seen[device] = k
 
 
-def _jit_forward(fn: StageFn, is_last: bool) -> Any:
+def _jit_stage(fn: StageFn, params: NamedSharding, acts: NamedSharding, is_last: bool) -> tuple[Any, Any]:
+    """The stage's jitted forward (saving its vjp) and backward, pinned to its shardings.
+
+    Residuals in the vjp function keep whatever sharding XLA picks (`None`); the backward's
+    replicated param-grad output is what makes XLA sum the per-device partial grads.
+    """
     if is_last:
-        return jax.jit(lambda p, x, t: jax.vjp(lambda p_, x_: fn(p_, x_, t), p, x))
-    return jax.jit(lambda p, x: jax.vjp(fn, p, x))
+        forward = jax.jit(lambda p, x, t: jax.vjp(lambda p_, x_: fn(p_, x_, t), p, x),
+                          in_shardings=(params, acts, acts), out_shardings=(params, None))
+    else:
+        forward = jax.jit(lambda p, x: jax.vjp(fn, p, x), in_shardings=(params, acts), out_shardings=(acts, None))
+    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent),
+                       in_shardings=(None, params if is_last else acts), out_shardings=(params, acts))
+    return forward, backward
 
 
-_backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent))
 _accumulate = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
 
 
@@ -196,10 +238,14 @@ class _Run:
     grads: dict[int, Any] = field(default_factory=dict)
 
     def forward(self, s: int, m: int) -> None:
+        pipeline = self.pipeline
         x = self.inputs[m] if s == 0 else self.outputs.pop((s - 1, m))
-        x = jax.device_put(x, self.pipeline.sharding(s))
-        last = s == self.pipeline.num_stages - 1
-        extra = (jax.device_put(self.targets[m], self.pipeline.sharding(s)),) if last else ()
+        pipeline.check_batch_split(s, x, "input")
+        x = jax.device_put(x, pipeline.activation_sharding(s))
+        last = s == pipeline.num_stages - 1
+        if last:
+            pipeline.check_batch_split(s, self.targets[m], "targets")
+        extra = (jax.device_put(self.targets[m], pipeline.activation_sharding(s)),) if last else ()
         y, self.vjps[(s, m)] = self.pipeline._forwards[s](self.params[s], x, *extra)
         if last:
             self.losses.append(y)
@@ -211,8 +257,8 @@ class _Run:
         if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
             ct = self.seed.astype(self.losses[0].dtype)
         else:
-            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.sharding(s))
-        grad, dx = _backward(self.vjps.pop((s, m)), ct)
+            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.activation_sharding(s))
+        grad, dx = self.pipeline._backwards[s](self.vjps.pop((s, m)), ct)
         self.grads[s] = grad if s not in self.grads else _accumulate(self.grads[s], grad)
         if s:
             self.cotangents[(s, m)] = dx
@@ -240,8 +286,10 @@ def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any
     """
     events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
     last = pipeline.sharding(pipeline.num_stages - 1)
-    run = _Run(pipeline, place_params(pipeline, params_per_stage),
-               _micro_batches(batch, num_micro_batches, "batch"),
+    inputs = _micro_batches(batch, num_micro_batches, "batch")
+    for k in range(pipeline.num_stages):  # fail before any step runs; activations keep the batch rows
+        pipeline.check_batch_split(k, inputs[0], "micro-batch")
+    run = _Run(pipeline, place_params(pipeline, params_per_stage), inputs,
                _micro_batches(targets, num_micro_batches, "targets"),
                jax.device_put(jnp.float32(1.0 / num_micro_batches), last))
     executed: list[Event] = []

@@ -46,6 +46,8 @@ class RuleContext:
     depth: tuple[int, ...]
     batch_dims: dict[int, int]
     constant_like: frozenset[int] = frozenset()  # values computed from constants alone
+    # Optimizer state and the update ops that follow it (filled as rules run).
+    state_derived: set[int] = field(default_factory=set)
     done: dict[int, NodeStrategies] = field(default_factory=dict)
 
     @property

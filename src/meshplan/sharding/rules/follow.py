@@ -42,13 +42,32 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
 
 def deepest_operand(node: Node, ctx: RuleContext) -> int:
     """Position of the operand to follow: not a constant (a broadcast scalar would pin the
-    result replicated), then the one furthest from the inputs, then the first."""
-    keys = [(o not in ctx.constant_like, ctx.depth[o]) for o in node.operands]
-    return keys.index(max(keys))
+    result replicated), then, in an optimizer update, the optimizer state (so the state's
+    layout, not the gradient's, decides: ZeRO-style sharding of the state stays possible),
+    then the one furthest from the inputs, then the first."""
+    update = bool(node.attr("per_iteration"))
+    keys = [(o not in ctx.constant_like, update and o in ctx.state_derived, ctx.depth[o]) for o in node.operands]
+    position = keys.index(max(keys))
+    if keys[position][1]:
+        ctx.state_derived.add(node.id)
+    return position
+
+
+def _relayout_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """A copy that may take any layout (a relayout point): its operand is resharded to it."""
+    from meshplan.sharding.rules.leaves import full_specs
+
+    specs = full_specs(node, ctx) + [ShardingSpec.replicated(node.rank)]
+    weight = ctx.communication_weight(node)
+    return NodeStrategies(node.id, tuple(
+        Strategy(f"relayout {spec}", spec, (spec,), memory=ctx.local_bytes(node, spec),
+                 penalty=ctx.model.activation_price * ctx.local_bytes(node, spec) * weight) for spec in specs))
 
 
 @register_rule(OpKind.ELEMENTWISE)
 def elementwise_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    if node.attr("relayout"):
+        return _relayout_strategies(node, ctx)
     n = len(node.operands)
     return follow(node, ctx, deepest_operand(node, ctx), lambda s: (s, (s,) * n, ()))
 

@@ -13,8 +13,10 @@ from meshplan.sharding.strategy import NodeStrategies, Strategy, StrategySpace
 @register_rule(OpKind.PARAMETER)
 def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     """A parameter may be split over any axes on any dims, or replicated."""
+    if node.attr("per_iteration"):
+        ctx.state_derived.add(node.id)  # optimizer state: the update follows its layout
     specs = _alpa_parameter_specs(node, ctx) if ctx.config.space is StrategySpace.ALPA \
-        else _full_parameter_specs(node, ctx)
+        else full_specs(node, ctx)
     split = [s for s in specs if not s.is_replicated]
     forced = ctx.config.force_batch_dim_to_mesh_dim
     if forced is not None and node.attr("batch_input"):
@@ -31,7 +33,8 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     return NodeStrategies(node.id, strategies)
 
 
-def _full_parameter_specs(node: Node, ctx: RuleContext) -> list[ShardingSpec]:
+def full_specs(node: Node, ctx: RuleContext) -> list[ShardingSpec]:
+    """Every split of the node's dims over the mesh axes (each axis to one dim or to none)."""
     specs = []
     for assignment in assign_axes(range(node.rank), ctx.axes):
         spec = ShardingSpec(tuple(assignment.get(d, ()) for d in range(node.rank)))
