@@ -14,7 +14,7 @@ from rich.console import Console
 from meshplan.cluster.mesh import LogicalMesh, parse_bytes, parse_floats, parse_mesh_shape
 from meshplan.cost.model import CostModel
 from meshplan.errors import MeshplanError
-from meshplan.files import write_json_atomic
+from meshplan.files import write_json_atomic, write_text_atomic
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.solve import build_intra_problem, solve_intra
 from meshplan.models.registry import forward_graph
@@ -74,8 +74,6 @@ def intra(
         cost=CostModel(flops_per_second=flops or None), space=_space(space), solver=solver,
         time_limit=time_limit, share_layers=share_layers)
     if dump_lp:
-        from meshplan.files import write_text_atomic
-
         write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
     plan = solve_intra(graph, logical, options)
     data = plan.to_dict()

@@ -108,11 +108,9 @@ class PipelinePlan:
 
 @dataclass(slots=True)
 class PlannerStats:
-    """Seconds per phase and counts, for the report."""
+    """Seconds per planner phase, for the report."""
 
     phases: dict[str, float] = field(default_factory=dict)
-    views_priced: int = 0
-    candidates: int = 0
 
     def timed(self, phase: str, start: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
@@ -280,9 +278,7 @@ def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | 
         tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t[0] not in priced]
         priced.update(run_tasks(tasks, options.workers, progress, f"pricing sub-meshes, micro-batch {b}"))
         stats.timed("intra-op ILPs", start)
-        stats.views_priced += len(tasks)
         plan = plan_from_costs(job, cluster, b, views_by_shape(cluster, b, priced), options, stats)
-        stats.candidates += 1
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best = plan
     if best is None:

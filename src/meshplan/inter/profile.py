@@ -50,9 +50,6 @@ class PieceCost:
     def __add__(self, other: PieceCost) -> PieceCost:
         return PieceCost(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
 
-    def scaled(self, k: float) -> PieceCost:
-        return PieceCost(*(a * k for a in self._values()))
-
     def _values(self) -> tuple[float, ...]:
         return (self.time, self.forward_time, self.sync_time, self.update_time, self.static_bytes,
                 self.activation_bytes, self.input_bytes, self.transient_bytes, self.flops)

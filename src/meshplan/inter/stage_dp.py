@@ -40,11 +40,7 @@ class StagePlan:
 
     stages: tuple[StageSlot, ...]
     total: float
-    t_max_tried: int = 0
-
-    @property
-    def max_latency(self) -> float:
-        return max(s.latency for s in self.stages)
+    t_max_tried: int = 0  # bounds on the slowest stage the DP solved for (0 for brute force)
 
 
 def pipeline_latency(latencies: Sequence[float], num_microbatches: int, chunks: int = 1) -> float:

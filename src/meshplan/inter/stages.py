@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.inter.profile import PieceCost
+from meshplan.inter.profile import ZERO_COST, PieceCost
 
 RECOMPUTE_CHOICES = ("none", "full")
 
@@ -62,7 +62,7 @@ class StageEstimate:
 
 def range_cost(costs: ViewCosts, menu: int, first: int, last: int) -> PieceCost:
     """Summed costs of blocks first..last with menu entry `menu`, plus embedding/head at the ends."""
-    total = sum((_entry(costs.blocks[layer], menu) for layer in range(first, last + 1)), start=_zero())
+    total = sum((_entry(costs.blocks[layer], menu) for layer in range(first, last + 1)), start=ZERO_COST)
     if first == 0:
         total = total + _entry(costs.embedding, menu)
     if last == len(costs.blocks) - 1:
@@ -76,10 +76,6 @@ def menu_size(costs: ViewCosts) -> int:
 
 def _entry(menu: tuple[PieceCost, ...], index: int) -> PieceCost:
     return menu[min(index, len(menu) - 1)]
-
-
-def _zero() -> PieceCost:
-    return PieceCost(0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def stage_memory(cost: PieceCost, inflight: int, recompute: str, largest_activation: float,

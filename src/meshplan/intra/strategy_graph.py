@@ -70,12 +70,6 @@ class StrategyGraph:
     def size(self, group: int) -> int:
         return len(self.nodes[group].strategies)
 
-    def members(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {g: [] for g in self.groups}
-        for node_id, lead in enumerate(self.leader):
-            out[lead].append(node_id)
-        return out
-
     def memory(self, node_id: int) -> np.ndarray:
         """Bytes of the node's local output shard under each choice of its group."""
         return np.array([s.memory for s in self.nodes[node_id].strategies])
