@@ -4,9 +4,7 @@ On the first call with new argument shapes the function is captured (meshplan.ca
 planned on a logical mesh of the visible devices (solve_intra) and jitted as planned
 (execute_sharded); later calls with the same shapes reuse that plan.
 
-Cost constants: the mesh's alpha/beta and the device FLOP/s below are placeholders for CPU
-devices, not measurements. They only need to rank plans sensibly until a calibrated
-cluster file (meshplan.cluster) is wired in here.
+Cost constants: the placeholders of meshplan.runtime.defaults (not measurements).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshplan.capture import Captured, capture
-from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import MeshError, OptionsError
 from meshplan.files import write_json_atomic, write_text_atomic
@@ -30,6 +27,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
 from meshplan.pipeshard import PipeshardFunction, PipeshardParallel
+from meshplan.runtime.defaults import BETA_S_PER_BYTE, FLOPS_PER_SECOND, default_mesh_shape, local_mesh
 from meshplan.runtime.sharded import (
     ShardedFunction,
     execute_sharded,
@@ -37,18 +35,6 @@ from meshplan.runtime.sharded import (
     partition_spec,
     placeable_spec,
 )
-
-# Placeholders (see module docstring): latency per collective, time per byte, FLOP/s per device.
-ALPHA_S = 1e-5
-BETA_S_PER_BYTE = 1e-9
-FLOPS_PER_SECOND = 1e11
-
-
-def default_mesh_shape(num_devices: int) -> tuple[int, ...]:
-    """(2, n/2) when n is even and > 2, else (n,)."""
-    if num_devices > 2 and num_devices % 2 == 0:
-        return (2, num_devices // 2)
-    return (num_devices,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -229,7 +215,7 @@ class ParallelizedFunction:
         captured = capture(self._ordered_fn(len(args)), *ordered, name=self.__name__)
         if self.method.forces_batch:
             captured = _tag_batch_inputs(captured, self._num_batch_leaves(args))
-        mesh = LogicalMesh(shape, (ALPHA_S,) * len(shape), (BETA_S_PER_BYTE,) * len(shape))
+        mesh = local_mesh(shape)
         plan = solve_intra(captured.graph, mesh, self.method.options())
         jax_mesh = make_jax_mesh(mesh, devices if self.devices else None)
         sharded = execute_sharded(captured, plan, jax_mesh)
