@@ -168,6 +168,17 @@ def test_scatter_add_vjp_gathers_from_the_cotangent():
     check_op(lambda b, u, ids: b.scatter_add((4, 2), ids, u), (normal, (3, 2)), extra={"ids": ("i32", ids)})
 
 
+def test_batched_gather_vjp_scatters_into_each_row():
+    ids = np.array([[4, 0, 4, 1], [2, 3, 0, 0]], dtype=np.int32)  # repeats within a row accumulate
+    check_op(lambda b, x, ids: b.gather(x, ids, 2, 1), (normal, (2, 3, 5, 2)), extra={"ids": ("i32", ids)})
+
+
+def test_batched_scatter_add_vjp_gives_dropped_updates_no_gradient():
+    ids = np.array([[4, 0, 7], [2, -1, 2]], dtype=np.int32)  # 7 and -1 are out of range: dropped
+    check_op(lambda b, u, ids: b.scatter_add((2, 5, 3), ids, u, 1, 1), (normal, (2, 3, 3)),
+             extra={"ids": ("i32", ids)})
+
+
 # -- random dot_general layouts ------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""capture: JAX functions -> meshplan graphs (nested calls inlined, opaque fallback, evaluation)."""
+"""capture: JAX functions -> meshplan graphs (nested calls inlined, gathers and scatters, opaque fallback)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from jax_models import mlp_args, mlp_step
+from meshplan import CostModel, IntraOptions, LogicalMesh, solve_intra
 from meshplan.capture import UnsupportedPrimitiveWarning, capture, ir_dtype
 from meshplan.ir import DType, OpKind
 from meshplan.ir.interpret import evaluate
+from meshplan.runtime import execute_sharded, make_jax_mesh
 
 
 def run_graph(captured, *args):
@@ -125,6 +127,123 @@ def test_embedding_lookup_is_a_gather():
     (gather,) = kinds(c, OpKind.GATHER)
     assert gather.operands[0] == c.input_nodes[0] and gather.shape == (2, 2, 2)
     np.testing.assert_array_equal(run_graph(c, table, ids)[0], table[ids])
+
+
+def check_against_jax(fn, *args):
+    """Capture `fn`, run the graph with the interpreter and compare with JAX; return the capture."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedPrimitiveWarning)
+        c = capture(fn, *args)
+    for got, want in zip(run_graph(c, *args), jax.tree_util.tree_leaves(fn(*args)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # NaNs (filled gathers) must match too
+    return c
+
+
+def take_attrs(captured, kind):
+    return [(n.attr("axis"), n.attr("batch_dims")) for n in kinds(captured, kind)]
+
+
+RNG = np.random.default_rng(0)
+TABLE = jnp.asarray(RNG.normal(size=(6, 3)), jnp.float32)
+IDS = jnp.array([[1, 5], [3, 1]], jnp.int32)  # row 1 twice: its gradient sums two rows
+LOGP = jnp.asarray(RNG.normal(size=(2, 4, 5)), jnp.float32)
+LABELS = jnp.array([[1, 2, 4, 0], [3, 3, 0, 1]], jnp.int32)
+
+
+@pytest.mark.parametrize("lookup", [lambda t, i: t[i], lambda t, i: jnp.take(t, i, axis=0)], ids=["index", "take"])
+def test_embedding_gradient_is_a_scatter_add(lookup):
+    c = check_against_jax(jax.grad(lambda t, i: jnp.sum(lookup(t, i) ** 2)), TABLE, IDS)
+    (scatter,) = kinds(c, OpKind.SCATTER_ADD)
+    assert take_attrs(c, OpKind.SCATTER_ADD) == [(0, 0)] and scatter.shape == (6, 3)
+    assert c.output_nodes == (scatter.id,)  # scattered into zeros: no add of the operand
+
+
+def test_scatter_add_onto_a_value_adds_it():
+    updates = jnp.asarray(RNG.normal(size=(2, 2, 3)), jnp.float32)
+    c = check_against_jax(lambda t, i, u: t.at[i].add(u), TABLE, IDS, updates)
+    out = c.graph.nodes[c.output_nodes[0]]
+    (scatter,) = kinds(c, OpKind.SCATTER_ADD)
+    assert out.op == "add" and out.operands == (c.input_nodes[0], scatter.id)
+
+
+def test_gradient_of_lookup_plus_other_use_sums_both():
+    c = check_against_jax(jax.grad(lambda t, i: jnp.sum(t[i]) + jnp.sum(t * t)), TABLE, IDS)
+    assert len(kinds(c, OpKind.SCATTER_ADD)) == 1
+
+
+def _take_along_last(logp, labels):
+    return jnp.take_along_axis(logp, labels[..., None], axis=-1)
+
+
+def _pick_with_aranges(logp, labels):
+    b, t = labels.shape
+    return logp[jnp.arange(b)[:, None], jnp.arange(t)[None, :], labels]
+
+
+@pytest.mark.parametrize("pick", [_take_along_last, _pick_with_aranges], ids=["take_along_axis", "arange_index"])
+def test_label_pick_is_a_batched_gather_and_its_gradient_a_scatter(pick):
+    c = check_against_jax(pick, LOGP, LABELS)
+    assert take_attrs(c, OpKind.GATHER) == [(2, 2)] and kinds(c, OpKind.TRANSPOSE) == []
+    g = check_against_jax(jax.grad(lambda x, y: jnp.sum(pick(x, y) ** 2)), LOGP, LABELS)
+    assert take_attrs(g, OpKind.GATHER) == take_attrs(g, OpKind.SCATTER_ADD) == [(2, 2)]
+
+
+def test_flat_arange_index_is_a_batched_gather():
+    logp, labels = LOGP.reshape(8, 5), LABELS.reshape(8)
+    c = check_against_jax(jax.grad(lambda x, y: -jnp.mean(x[jnp.arange(8), y] ** 3)), logp, labels)
+    assert take_attrs(c, OpKind.GATHER) == take_attrs(c, OpKind.SCATTER_ADD) == [(1, 1)]
+
+
+def test_out_of_range_labels_fill_with_nan_and_clip_mode_clamps():
+    bad = jnp.array([[1, 7, -9, 0], [5, 3, -1, 2]], jnp.int32)  # 7, -9 (-> -4) and 5 are out of range
+    c = check_against_jax(_take_along_last, LOGP, bad)
+    assert np.isnan(c.graph.nodes[c.output_nodes[0]].attr("fill_value"))
+    assert np.isnan(run_graph(c, LOGP, bad)[0]).sum() == 3
+    clipped = check_against_jax(lambda t, i: t.at[i].get(mode="clip"), TABLE, jnp.array([7, -3, 2], jnp.int32))
+    assert [n.attr("fill_value") for n in kinds(clipped, OpKind.GATHER)] == [None]
+
+
+@pytest.mark.parametrize(("fn", "args"), [
+    (lambda x, i: jnp.take_along_axis(x, i, axis=0), (LOGP[0].T, LABELS[:1])),
+    (lambda x, i: jnp.take(x, i, axis=1), (LOGP, jnp.array([0, 4, 2], jnp.int32))),
+], ids=["take_along_axis_0", "take_axis_1"])
+def test_gathers_along_other_dims_map_with_transposes(fn, args):
+    check_against_jax(fn, *args)
+    c = check_against_jax(jax.grad(lambda x, i: jnp.sum(fn(x, i) ** 2)), *args)
+    assert len(kinds(c, OpKind.GATHER)) == len(kinds(c, OpKind.SCATTER_ADD)) == 1
+
+
+@pytest.mark.parametrize(("fn", "name"), [
+    (lambda t, i: t[i, i], "gather"),  # two gathered dims
+    (lambda t, i: t.at[i].set(1.0), "scatter"),
+    (lambda t, i: t.at[i].add(1.0, mode="clip"), "scatter-add"),  # the IR's scatter drops, clip clamps
+], ids=["two_index_arrays", "scatter_set", "clip_scatter_add"])
+def test_other_gathers_and_scatters_stay_opaque(fn, name):
+    with pytest.warns(UnsupportedPrimitiveWarning, match=rf"primitive\(s\) {name};"):
+        c = capture(fn, TABLE, jnp.array([1, 2], jnp.int32))
+    assert c.unsupported == (name,) and [n.op for n in kinds(c, OpKind.OPAQUE)] == [name]
+
+
+def cross_entropy(params, tokens, labels):
+    """Embedding lookup, a vocabulary projection and the label pick of a softmax cross-entropy."""
+    logits = jnp.take(params["emb"], tokens, axis=0) @ params["w"]
+    return -jnp.mean(_take_along_last(jax.nn.log_softmax(logits), labels))
+
+
+def test_cross_entropy_gradient_runs_sharded_as_planned():
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"emb": jax.random.normal(k[0], (512, 32)), "w": jax.random.normal(k[1], (32, 512)) / 32 ** 0.5}
+    tokens, labels = (jax.random.randint(key, (8, 16), 0, 512) for key in k[2:])
+    step = jax.value_and_grad(cross_entropy)
+    c = check_against_jax(step, params, tokens, labels)
+    options = IntraOptions(cost=CostModel(flops_per_second=1e9), memory_budget=1.5e5)  # forces splits
+    plan = solve_intra(c.graph, LogicalMesh((2, 4), (1e-5, 1e-5), (1e-9, 1e-9)), options)
+    picks = [n.id for n in c.graph.nodes if n.kind in (OpKind.GATHER, OpKind.SCATTER_ADD) and n.attr("batch_dims")]
+    assert len(picks) == 2 and all(not plan.strategy(n).output.is_replicated for n in picks)
+    got = execute_sharded(c, plan, make_jax_mesh(plan.mesh))(params, tokens, labels)
+    for value, expected in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(jax.jit(step)(
+            params, tokens, labels)), strict=True):
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_literals_become_constants_and_maps_cover_top_level_vars():

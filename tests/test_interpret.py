@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshplan import GraphBuilder, GraphError
-from meshplan.ir import DType, OpKind, node_flops
+from meshplan.ir import DType, OpKind, node_bytes_accessed, node_flops
 from meshplan.ir.builder import BINARY_OPS, UNARY_OPS
 from meshplan.ir.interpret import cast, evaluate
 
@@ -238,10 +238,63 @@ def test_scatter_add_builder_checks_and_flops():
     graph = b.build()
     assert graph[s].kind is OpKind.SCATTER_ADD and graph[s].shape == (100, 8)
     assert node_flops(graph, graph[s]) == 48.0
-    with pytest.raises(GraphError, match=r"table \(100, 4\) need updates of shape \(2, 3, 4\)"):
+    with pytest.raises(GraphError, match=r"into \(100, 4\) along axis 0 .* need updates of shape \(2, 3, 4\)"):
         b.scatter_add((100, 4), idx, upd)
     with pytest.raises(GraphError, match="convert them to an integer dtype"):
         b.scatter_add((100, 8), b.parameter((2, 3), "f32"), upd)
+
+
+def test_gather_with_batch_dims_picks_one_entry_per_row():
+    logp = np.arange(24.0).reshape(2, 3, 4)
+    labels = np.array([[0, 3, 1], [2, 2, 0]])
+    got = run_one(lambda b, x, i: b.gather(x, i, axis=2, batch_dims=2), logp, labels)
+    np.testing.assert_array_equal(got, np.take_along_axis(logp, labels[..., None], axis=2)[..., 0])
+
+
+def test_gather_between_batch_and_trailing_dims():
+    x = np.arange(60.0).reshape(2, 3, 5, 2)  # batch 2, kept 3, gathered 5, trailing 2
+    ids = np.array([[4, 0, 4, 1], [2, 3, 0, 0]])
+    got = run_one(lambda b, x, i: b.gather(x, i, axis=2, batch_dims=1), x, ids)
+    want = np.stack([x[n][:, ids[n]] for n in range(2)])  # out[n, p, j, q] = x[n, p, ids[n, j], q]
+    assert got.shape == (2, 3, 4, 2)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gather_fill_value_replaces_out_of_range_entries():
+    logp = np.arange(8.0).reshape(2, 4)
+    got = run_one(lambda b, x, i: b.gather(x, i, 1, 1, fill_value=np.nan), logp, np.array([3, 4]))
+    np.testing.assert_array_equal(got, [3.0, np.nan])
+    clamped = run_one(lambda b, x, i: b.gather(x, i, 1, 1), logp, np.array([-2, 9]))
+    np.testing.assert_array_equal(clamped, [0.0, 7.0])
+
+
+def test_batched_scatter_add_is_the_transpose_of_gather():
+    """<gather(x, i), u> == <x, scatter_add(i, u)> for every x and u: the two are adjoint."""
+    rng = np.random.default_rng(0)
+    x, u = rng.normal(size=(2, 3, 5, 2)), rng.normal(size=(2, 3, 4, 2))
+    ids = np.array([[4, 0, 4, 7], [2, -1, 0, 0]])  # a duplicate, and two out-of-range entries dropped
+    b = GraphBuilder()
+    xp, ip, up = b.parameter(x.shape, "f64", "x"), b.parameter(ids.shape, "i32", "i"), b.parameter(u.shape, "f64", "u")
+    g = b.gather(xp, ip, 2, 1, fill_value=0.0)
+    s = b.scatter_add(x.shape, ip, up, 2, 1)
+    values = evaluate(b.build(), {"x": x, "i": ids, "u": u})
+    assert values[s].shape == x.shape and values[s][1, :, 0].tolist() == (u[1, :, 2] + u[1, :, 3]).tolist()
+    assert np.vdot(values[g], u) == pytest.approx(np.vdot(x, values[s]))
+
+
+def test_gather_builder_checks_batch_dims_and_counts_picked_bytes():
+    b = GraphBuilder()
+    x = b.parameter((8, 16, 100), name="x")
+    labels = b.parameter((8, 16), "i32", name="labels")
+    pick = b.gather(x, labels, 2, 2, name="pick")
+    graph = b.build()
+    assert graph[pick].shape == (8, 16) and graph[pick].attrs == (("axis", 2), ("batch_dims", 2), ("fill_value", None))
+    assert node_flops(graph, graph[pick]) == 0.0
+    assert node_bytes_accessed(graph, graph[pick]) == 2 * 8 * 16 * 4 + 8 * 16 * 4  # not the whole x
+    with pytest.raises(GraphError, match=r"batch dims of indices labels \(8, 16\) and of \(16, 8, 100\) differ"):
+        b.gather(b.parameter((16, 8, 100)), labels, 2, 2)
+    with pytest.raises(GraphError, match=r"batch_dims=2 must lie in \[0, min\(axis=1"):
+        b.gather(x, labels, 1, 2)
 
 
 def test_builder_node_and_rename():

@@ -1,4 +1,4 @@
-"""Strategy rules: dot's Table-3 strategies, followers, reduce all-reduce, replicated fallback."""
+"""Strategy rules: dot's Table-3 strategies, followers, reduce all-reduce, gathers, replicated fallback."""
 
 from __future__ import annotations
 
@@ -63,3 +63,60 @@ def test_op_without_rule_is_replicated_with_warning():
         plan = solve_intra(b.build(), MESH, IntraOptions())
     assert plan.strategy("y").output.is_replicated
     assert plan.unsupported_ops == ("fft",)
+
+
+def pick_graph():
+    """Cross-entropy's label pick from log-probabilities, its gradient, and an embedding and its gradient."""
+    b = GraphBuilder()
+    logp = b.parameter((8, 16), name="logp")
+    labels = b.parameter((8,), "i32", name="labels")
+    table = b.parameter((32, 16), name="table")
+    ids = b.parameter((8, 4), "i32", name="ids")
+    rows = b.parameter((8, 4, 16), name="rows")
+    pick = b.gather(b.exp(logp), labels, 1, 1, name="pick")
+    dlogp = b.scatter_add((8, 16), labels, b.full((8,), -1.0), 1, 1, name="dlogp")  # updates: constant
+    embed = b.gather(table, ids, name="embed")
+    dtable = b.scatter_add((32, 16), ids, rows, name="dtable")
+    b.outputs(b.reduce(pick, (0,)), dlogp, embed, dtable)
+    return b.build()
+
+
+def by_operand(graph, name, position):
+    node = next(n for n in graph.nodes if n.name == name)
+    ns = enumerate_strategies(graph, MESH, CostModel(flops_per_second=1.0))[node.id]
+    return ns, {s.operands[position]: s for s in ns.strategies}
+
+
+def test_batched_gather_follows_its_operand_and_all_reduces_a_split_gathered_dim():
+    S = ShardingSpec.of
+    ns, strategies = by_operand(pick_graph(), "pick", 0)
+    assert ns.follows == 0
+    rows = strategies[S(0, None)]
+    assert (rows.output, rows.operands[1], rows.collectives) == (S(0), S(0), ())
+    vocab = strategies[S(0, 1)]  # vocabulary split: each device picks what it holds, partial sums
+    (ar,) = vocab.collectives
+    assert (vocab.output, vocab.operands[1]) == (S(0), S(0))
+    assert ar.kind is CollectiveKind.ALL_REDUCE and ar.axes == (1,) and ar.nbytes == 4 * 4
+
+
+def test_scatter_add_of_constant_updates_follows_the_indices():
+    S = ShardingSpec.of
+    ns, strategies = by_operand(pick_graph(), "dlogp", 0)
+    assert ns.follows == 0
+    split = strategies[S((0, 1))]
+    assert (split.output, split.operands[1], split.collectives) == (S((0, 1), None), S((0, 1)), ())
+
+
+def test_embedding_gather_reads_the_table_whole_and_its_gradient_sums_split_rows():
+    S = ShardingSpec.of
+    ns, strategies = by_operand(pick_graph(), "embed", 1)
+    assert ns.follows == 1
+    assert {(s.output, s.operands[0]) for s in ns.strategies if s.operands[1] == S(0, 1)} == {
+        (S(0, 1, None), S(None, None))}
+    ns, strategies = by_operand(pick_graph(), "dtable", 1)
+    assert ns.follows == 1
+    batch = strategies[S(0, None, 1)]  # rows split by batch: partial tables, summed over axis 0
+    (ar,) = batch.collectives
+    assert (batch.output, batch.operands[0]) == (S(None, 1), S(0, None))
+    assert ar.axes == (0,) and ar.nbytes == 32 * 4 * 4
+

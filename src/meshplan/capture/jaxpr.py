@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from meshplan.capture import indexing  # noqa: F401  (registers the gather and scatter rules)
 from meshplan.capture.flatten import FlatProgram, flatten
 from meshplan.capture.rules import PASS_THROUGH, RULES, ir_dtype
 from meshplan.ir import Graph, GraphBuilder

@@ -1,7 +1,8 @@
 """Per-primitive rules turning flat-program steps into GraphBuilder nodes.
 
 A rule takes (builder, step, operand node ids) and returns one node id per step output.
-Primitives without a rule become opaque nodes (planned replicated) and are reported.
+Primitives without a rule become opaque nodes (planned replicated) and are reported. The rules
+for gathers and scatters live in `meshplan.capture.indexing`.
 """
 
 from __future__ import annotations
@@ -148,20 +149,6 @@ def _slice(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
 @register("dynamic_slice")
 def _dynamic_slice(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     return [b.dynamic_slice(xs[0], xs[1:], step.params["slice_sizes"])]
-
-
-@register("gather")
-def _gather(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
-    """Only a row lookup table[idx] (embeddings) is a GATHER; anything else stays opaque."""
-    table, idx = b.node(xs[0]), b.node(xs[1])
-    dn, sizes = step.params["dimension_numbers"], tuple(step.params["slice_sizes"])
-    rows_only = (tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
-                 and sizes == (1, *table.shape[1:]) and idx.shape[-1:] == (1,)
-                 and tuple(dn.offset_dims) == tuple(range(idx.rank - 1, idx.rank - 1 + table.rank - 1))
-                 and not getattr(dn, "operand_batching_dims", ()))
-    if not rows_only:
-        raise NotImplementedError
-    return [b.gather(xs[0], b.reshape(xs[1], idx.shape[:-1]))]
 
 
 @register("scan_row")

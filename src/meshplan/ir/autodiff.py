@@ -390,10 +390,14 @@ def _concatenate_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
 
 @register_vjp(OpKind.GATHER, no_grad=(1,))
 def _gather_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
-    table, indices = node.operands
-    return b.scatter_add(b.shape(table), indices, g, dtype=b.node(table).dtype)
+    """Scatter the cotangent back to where each entry was read. Filled (out-of-range) entries
+    read nothing and are dropped; clamped ones would belong to the edge entry but are dropped too."""
+    operand, indices = node.operands
+    return b.scatter_add(b.shape(operand), indices, g, node.attr("axis"), node.attr("batch_dims"),
+                         dtype=b.node(operand).dtype)
 
 
 @register_vjp(OpKind.SCATTER_ADD, no_grad=(0,))
 def _scatter_add_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
-    return b.gather(g, node.operands[0])
+    """Read the cotangent where each update was added; dropped (out-of-range) updates get zero."""
+    return b.gather(g, node.operands[0], node.attr("axis"), node.attr("batch_dims"), fill_value=0.0)

@@ -241,33 +241,51 @@ class GraphBuilder:
         shape[dim] = sum(n.shape[dim] for n in nodes)
         return self._add(OpKind.CONCATENATE, tuple(xs), shape, nodes[0].dtype, {"dim": dim}, name)
 
-    def gather(self, table: int, indices: int, name: str = "") -> int:
-        """Embedding lookup: rows of `table` [V, ...] picked by integer `indices` [...]."""
-        t, i = self._node(table), self._node(indices)
-        shape = i.shape + t.shape[1:]
-        return self._add(OpKind.GATHER, (table, indices), shape, t.dtype, {}, name)
+    def gather(self, operand: int, indices: int, axis: int = 0, batch_dims: int = 0,
+               fill_value: float | None = None, name: str = "") -> int:
+        """Entries of `operand` along dim `axis` picked by integer `indices` (tf.gather's semantics).
 
-    def scatter_add(self, table_shape: Sequence[int], indices: int, updates: int,
-                    dtype: DType | str | None = None, name: str = "") -> int:
-        """Embedding gradient: a zero table [V, ...] with each row of `updates` added at its index.
+        The first `batch_dims` dims of `indices` and of `operand` are matched one to one (they
+        must have equal sizes and come before `axis`); every other index dim picks independently.
+        The output has shape operand[:axis] + indices[batch_dims:] + operand[axis + 1:], and
+        out[b, p, i, q] = operand[b, p, indices[b, i], q]. An embedding lookup is axis=0,
+        batch_dims=0; the per-row pick of cross-entropy, logp[b, labels[b]], is axis=1, batch_dims=1.
 
-        `updates` has shape indices.shape + table_shape[1:]; the output has `table_shape`.
-        Out-of-range indices are dropped (as XLA's scatter does).
+        Out-of-range indices are clamped (XLA's gather) when `fill_value` is None, else their
+        entries are `fill_value` (JAX's mode="fill").
         """
-        table_shape = tuple(int(s) for s in table_shape)
+        o, i = self._node(operand), self._node(indices)
+        where = f"gather {name!r}" if name else "gather"
+        self._check_take(where, o.shape, i, axis, batch_dims)
+        shape = o.shape[:axis] + i.shape[batch_dims:] + o.shape[axis + 1:]
+        if fill_value is not None:
+            # One NaN object: NaN != NaN, so equal attrs (and layer signatures) need the same object.
+            fill_value = math.nan if math.isnan(fill_value) else float(fill_value)
+        attrs = {"axis": axis, "batch_dims": batch_dims, "fill_value": fill_value}
+        return self._add(OpKind.GATHER, (operand, indices), shape, o.dtype, attrs, name)
+
+    def scatter_add(self, shape: Sequence[int], indices: int, updates: int, axis: int = 0, batch_dims: int = 0,
+                    dtype: DType | str | None = None, name: str = "") -> int:
+        """The transpose of `gather`: zeros of `shape` with each entry of `updates` added at its index.
+
+        `updates` has the shape gather(zeros(shape), indices, axis, batch_dims) would have:
+        shape[:axis] + indices.shape[batch_dims:] + shape[axis + 1:]. With axis=0, batch_dims=0
+        this is an embedding gradient (rows of updates added into a zero table). Duplicate
+        indices accumulate; out-of-range indices are dropped (as XLA's scatter does).
+        """
+        shape = tuple(int(s) for s in shape)
         i, u = self._node(indices), self._node(updates)
         where = f"scatter_add {name!r}" if name else "scatter_add"
-        if not table_shape:
-            raise GraphError(f"{where}: the table needs at least one dim (rows), got shape ()")
-        if i.dtype not in _INTEGER_DTYPES:
-            raise GraphError(f"{where}: indices {i.label} are {i.dtype}; convert them to an integer dtype")
-        expected = i.shape + table_shape[1:]
+        self._check_take(where, shape, i, axis, batch_dims)
+        expected = shape[:axis] + i.shape[batch_dims:] + shape[axis + 1:]
         if u.shape != expected:
             raise GraphError(
-                f"{where}: updates {u.label} have shape {u.shape}, but indices {i.shape} into a "
-                f"table {table_shape} need updates of shape {expected} (indices shape + table row shape)"
+                f"{where}: updates {u.label} have shape {u.shape}, but indices {i.shape} into {shape} along "
+                f"axis {axis} with {batch_dims} batch dims need updates of shape {expected} "
+                f"(shape[:axis] + indices.shape[batch_dims:] + shape[axis + 1:])"
             )
-        return self._add(OpKind.SCATTER_ADD, (indices, updates), table_shape, dtype or u.dtype, {}, name)
+        attrs = {"axis": axis, "batch_dims": batch_dims}
+        return self._add(OpKind.SCATTER_ADD, (indices, updates), shape, dtype or u.dtype, attrs, name)
 
     def dynamic_slice(self, x: int, starts: Sequence[int], sizes: Sequence[int], name: str = "") -> int:
         """A `sizes` window of `x` at run-time start indices (one integer scalar node per dim).
@@ -364,6 +382,20 @@ class GraphBuilder:
                     f"{n.shape}); broadcast explicitly first"
                 )
         return nodes[0].shape
+
+    @staticmethod
+    def _check_take(where: str, shape: tuple[int, ...], indices: Node, axis: int, batch_dims: int) -> None:
+        """Checks shared by gather and scatter_add (`shape` is the indexed tensor's)."""
+        if not 0 <= axis < len(shape):
+            raise GraphError(f"{where}: axis {axis} is out of range for shape {shape}; it needs a dim to index")
+        if indices.dtype not in _INTEGER_DTYPES:
+            raise GraphError(f"{where}: indices {indices.label} are {indices.dtype}; convert them to an integer dtype")
+        if not 0 <= batch_dims <= min(axis, indices.rank):
+            raise GraphError(f"{where}: batch_dims={batch_dims} must lie in [0, min(axis={axis}, rank of indices "
+                             f"{indices.label} = {indices.rank})]")
+        if indices.shape[:batch_dims] != shape[:batch_dims]:
+            raise GraphError(f"{where}: the {batch_dims} batch dims of indices {indices.label} {indices.shape} "
+                             f"and of {shape} differ; batch dims must have equal sizes")
 
     @staticmethod
     def _check_dims(what: str, dims: Sequence[int], rank: int) -> None:

@@ -40,6 +40,8 @@ def node_bytes_accessed(graph: Graph, node: Node) -> int:
     """Bytes read and written by `node` when run unfused."""
     if node.kind in (OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA):
         return 0
+    if node.kind is OpKind.GATHER:  # reads the picked entries and the indices, not the whole operand
+        return 2 * node.nbytes + graph[node.operands[1]].nbytes
     return node.nbytes + sum(graph[i].nbytes for i in node.operands)
 
 

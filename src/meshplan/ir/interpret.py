@@ -46,13 +46,26 @@ def evaluate(graph: Graph, inputs: Mapping[str | int, Any], constants_default: f
     with np.errstate(all="ignore"):  # IEEE semantics (inf, nan) as on an accelerator, no warnings
         for node in graph.nodes:
             if node.kind is OpKind.PARAMETER:
-                value = params[node.id]
-            elif node.kind is OpKind.CONSTANT:
-                value = np.full(node.shape, constants_default if node.attr("value") is None else node.attr("value"))
+                values.append(cast(params[node.id], node.dtype))
             else:
-                value = _evaluator(node)(node, [values[i] for i in node.operands])
-            values.append(cast(value, node.dtype))
+                values.append(evaluate_node(node, [values[i] for i in node.operands], constants_default))
     return values
+
+
+def evaluate_node(node: Node, operands: list[np.ndarray], constants_default: float = 0.0) -> np.ndarray:
+    """The value of one node (not a parameter) from its operands' values, cast to its dtype.
+
+    Raises:
+        GraphError: the node is a parameter or an op the interpreter cannot run (opaque).
+    """
+    if node.kind is OpKind.PARAMETER:
+        raise GraphError(f"evaluate_node: {node.label} is a parameter; its value is an input, not computed")
+    if node.kind is OpKind.CONSTANT:
+        value = np.full(node.shape, constants_default if node.attr("value") is None else node.attr("value"))
+    else:
+        with np.errstate(all="ignore"):
+            value = _evaluator(node)(node, operands)
+    return cast(value, node.dtype)
 
 
 def numpy_dtype(dtype: DType) -> type[np.generic]:
@@ -239,18 +252,45 @@ def _concatenate(node: Node, args: list[np.ndarray]) -> np.ndarray:
 # -- indexing ------------------------------------------------------------------------------------
 
 
+def _take_index(shape: tuple[int, ...], indices: np.ndarray, axis: int, batch_dims: int) -> tuple[Any, ...]:
+    """The NumPy index tuple `t` with x[t] == gather(x, indices, axis, batch_dims), x of `shape`.
+
+    Dims before `axis` get aranges and `axis` gets the indices, all broadcast to the leading
+    output dims shape[:axis] + indices.shape[batch_dims:]; the dims after `axis` are sliced whole.
+    """
+    picked = indices.shape[batch_dims:]
+    lead = axis + len(picked)
+    index: list[Any] = [np.arange(shape[d]).reshape([-1 if k == d else 1 for k in range(lead)])
+                        for d in range(axis)]
+    index.append(indices.reshape(indices.shape[:batch_dims] + (1,) * (axis - batch_dims) + picked))
+    return (*index, *[slice(None)] * (len(shape) - axis - 1))
+
+
+def _clipped(node: Node, indices: np.ndarray, size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indices clamped into [0, size), and a mask of the in-range ones that broadcasts against
+    the gather output (or scatter updates) of rank `rank`."""
+    ids = indices.astype(np.int64)
+    axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    shape = ids.shape[:batch_dims] + (1,) * (axis - batch_dims) + ids.shape[batch_dims:]
+    inside = ((ids >= 0) & (ids < size)).reshape(shape + (1,) * (rank - len(shape)))
+    return np.clip(ids, 0, max(size - 1, 0)), inside
+
+
 @_register(OpKind.GATHER)
 def _gather(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    table, indices = args
-    return np.take(table, indices.astype(np.int64), axis=0, mode="clip")  # XLA clamps gather indices
+    operand, indices = args
+    axis, fill = node.attr("axis"), node.attr("fill_value")
+    ids, inside = _clipped(node, indices, operand.shape[axis], node.rank)
+    picked = operand[_take_index(operand.shape, ids, axis, node.attr("batch_dims"))]
+    return picked if fill is None else np.where(inside, picked, fill)  # clamped (XLA) or filled (mode="fill")
 
 
 @_register(OpKind.SCATTER_ADD)
 def _scatter_add(node: Node, args: list[np.ndarray]) -> np.ndarray:
     indices, updates = args
-    table = np.zeros(node.shape, np.result_type(updates, _NUMPY_DTYPES[node.dtype]))
-    flat = indices.reshape(-1).astype(np.int64)
-    rows = updates.reshape((flat.size, *node.shape[1:]))
-    inside = (flat >= 0) & (flat < node.shape[0])  # XLA's scatter drops out-of-range updates
-    np.add.at(table, flat[inside], rows[inside])
-    return table
+    axis = node.attr("axis")
+    out = np.zeros(node.shape, np.result_type(updates, _NUMPY_DTYPES[node.dtype]))
+    ids, inside = _clipped(node, indices, node.shape[axis], updates.ndim)
+    kept = np.where(inside, updates, np.zeros((), updates.dtype))  # XLA's scatter drops out-of-range updates
+    np.add.at(out, _take_index(node.shape, ids, axis, node.attr("batch_dims")), kept)
+    return out

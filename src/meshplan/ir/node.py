@@ -24,9 +24,9 @@ class OpKind(enum.Enum):
     REDUCE = "reduce"
     SLICE = "slice"
     CONCATENATE = "concatenate"
-    GATHER = "gather"
+    GATHER = "gather"  # entries along one dim picked by indices, with batch dims (embedding, label pick)
     DYNAMIC_SLICE = "dynamic_slice"
-    SCATTER_ADD = "scatter_add"  # rows of updates added into a zero table at indices (embedding grads)
+    SCATTER_ADD = "scatter_add"  # gather's transpose: updates added into zeros at indices
     OPAQUE = "opaque"
 
 

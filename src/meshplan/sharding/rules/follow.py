@@ -142,29 +142,65 @@ def concatenate_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 
 @register_rule(OpKind.GATHER)
 def gather_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
-    """Embedding lookup: the output follows the indices; the table is read whole."""
-    table = ctx.operand(node, 0)
-    extra = node.rank - ctx.operand(node, 1).rank
+    """An embedding lookup (no batch dims) follows the indices and reads the operand whole. A
+    per-row pick (batch dims, e.g. cross-entropy's logp[b, labels[b]]) follows the operand like an
+    elementwise op: its other dims keep their splits, and a split of the gathered dim leaves each
+    device the entries it holds (the rest masked to zero), summed by an all-reduce over that dim's
+    axes (Megatron's vocabulary-parallel cross-entropy). A constant side (an iota of positions)
+    never leads, or it would pin the result replicated."""
+    axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    rank = ctx.operand(node, 0).rank
+    picked = ctx.operand(node, 1).rank - batch_dims  # index dims that pick independently
 
-    def transform(spec: ShardingSpec):
-        out = ShardingSpec(spec.dims + ((),) * extra)
-        return out, (ShardingSpec.replicated(table.rank), spec), ()
+    def from_operand(spec: ShardingSpec):
+        out = ShardingSpec(spec.dims[:axis] + ((),) * picked + spec.dims[axis + 1:])
+        indices = ShardingSpec(spec.dims[:batch_dims] + ((),) * picked)
+        return out, (spec, indices), _partial_sums(node, ctx, out, spec.dims[axis])
 
-    return follow(node, ctx, 1, transform)
+    def from_indices(spec: ShardingSpec):
+        batch, own = spec.dims[:batch_dims], spec.dims[batch_dims:]
+        out = ShardingSpec(batch + ((),) * (axis - batch_dims) + own + ((),) * (rank - axis - 1))
+        return out, (ShardingSpec(batch + ((),) * (rank - batch_dims)), spec), ()
+
+    leader = _leader(node, ctx, 0 if batch_dims else 1)
+    return follow(node, ctx, leader, from_indices if leader else from_operand)
 
 
 @register_rule(OpKind.SCATTER_ADD)
 def scatter_add_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
-    """Embedding gradient: rows of `updates` added into a table. The table's trailing dims keep
-    the updates' splits; splits of the index dims leave partial sums to all-reduce."""
-    indices = ctx.operand(node, 0)
-    lead = indices.rank
+    """Gather's transpose (an embedding gradient, a cross-entropy label gradient) follows the
+    updates: the output keeps the splits of their batch and other dims and the scattered dim is
+    whole; splits of the index dims that pick independently leave partial sums to all-reduce.
+    Constant updates (the gradient of a mean) do not lead: the output follows the indices."""
+    axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    picked = ctx.operand(node, 0).rank - batch_dims
 
-    def transform(spec: ShardingSpec):
-        out = ShardingSpec(((),) + spec.dims[lead:])
-        axes = tuple(a for d in spec.dims[:lead] for a in d)
-        collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, axes, ctx.local_bytes(node, out)),) \
-            if any(ctx.mesh.shape[a] > 1 for a in axes) else ()
-        return out, (ShardingSpec(spec.dims[:lead]), spec), collectives
+    def from_updates(spec: ShardingSpec):
+        out = ShardingSpec(spec.dims[:axis] + ((),) + spec.dims[axis + picked:])
+        indices = ShardingSpec(spec.dims[:batch_dims] + spec.dims[axis:axis + picked])
+        split = tuple(a for d in spec.dims[axis:axis + picked] for a in d)
+        return out, (indices, spec), _partial_sums(node, ctx, out, split)
 
-    return follow(node, ctx, 1, transform)
+    def from_indices(spec: ShardingSpec):
+        batch, own = spec.dims[:batch_dims], spec.dims[batch_dims:]
+        out = ShardingSpec(batch + ((),) * (node.rank - batch_dims))
+        updates = ShardingSpec(batch + ((),) * (axis - batch_dims) + own + ((),) * (node.rank - axis - 1))
+        split = tuple(a for d in own for a in d)
+        return out, (spec, updates), _partial_sums(node, ctx, out, split)
+
+    leader = _leader(node, ctx, 1)
+    return follow(node, ctx, leader, from_updates if leader else from_indices)
+
+
+def _leader(node: Node, ctx: RuleContext, preferred: int) -> int:
+    """`preferred`, unless that operand is constant-like and the other one is not."""
+    other = 1 - preferred
+    constant = ctx.constant_like
+    return other if node.operands[preferred] in constant and node.operands[other] not in constant else preferred
+
+
+def _partial_sums(node: Node, ctx: RuleContext, out: ShardingSpec, axes: tuple[int, ...]) -> tuple[Collective, ...]:
+    """The all-reduce summing partial results over `axes` (none when no axis has two devices)."""
+    if not any(ctx.mesh.shape[a] > 1 for a in axes):
+        return ()
+    return (ctx.collective(CollectiveKind.ALL_REDUCE, axes, ctx.local_bytes(node, out)),)
