@@ -104,7 +104,7 @@ def test_explicit_disjoint_stages():
     (((0, 1), (8,)), "stage 1 uses device index 8, but only 8 devices exist; use indices in \\[0, 8\\)"),
     (((0, 1), (-1,)), "stage 1 uses device index -1"),
     (((0, 1), ()), "stage 1 has no devices"),
-    (((0,), (1,), (2,)), "gives 3 stages but the function has 2"),
+    (((0,), (1,), (2,)), "covers 3 layers but the function has 2"),
 ])
 def test_bad_explicit_stages_are_rejected(stages, message):
     params, (x, y) = stage_params(2), data()
@@ -113,10 +113,11 @@ def test_bad_explicit_stages_are_rejected(stages, message):
         f(params, x, y)
 
 
-def test_auto_stages_need_a_divisible_device_count():
+def test_uniform_stages_need_a_divisible_device_count():
     params, (x, y) = stage_params(2), data()
     f = parallelize(staged_loss, method=PipeshardParallel(2), devices=jax.devices()[:7])
-    with pytest.raises(MeshError, match="splits 7 devices into 2 equal stages, but 7 is not divisible by 2"):
+    with pytest.raises(MeshError, match="splits 7 devices into 2 equal stages \\(one per layer\\), but 7 is not "
+                                        "divisible by 2; use a device count divisible by 2, stages='auto'"):
         f(params, x, y)
 
 
@@ -124,7 +125,8 @@ def test_auto_stages_need_a_divisible_device_count():
     (dict(num_micro_batches=0), "num_micro_batches=0"),
     (dict(num_micro_batches=2, schedule="zb"), "schedule='zb'"),
     (dict(num_micro_batches=2, stages="even"), "stages='even'"),
-    (dict(num_micro_batches=2, data_parallel_stages=1), "data_parallel_stages=1"),
+    (dict(num_micro_batches=2, stage_sharding="tp"), "stage_sharding='tp'"),
+    (dict(num_micro_batches=2, stages="auto", stage_mesh_shape=(2, 2)), "applies to stages='uniform'"),
 ])
 def test_bad_options_are_rejected(kwargs, message):
     with pytest.raises(OptionsError, match=message):
@@ -150,27 +152,37 @@ def test_get_plan_describes_the_last_run():
     params, (x, y) = stage_params(4), data()
     f = parallelize(staged_loss, method=PipeshardParallel(4, schedule="1f1b"))
     f(params, x, y)
-    assert f.get_plan() == PipeshardPlan(num_stages=4, stage_devices=((0, 1), (2, 3), (4, 5), (6, 7)),
-                                         schedule="1f1b", num_micro_batches=4,
-                                         events=make_schedule("1f1b", 4, 4))
+    plan = f.get_plan()
+    assert isinstance(plan, PipeshardPlan) and plan.num_stages == 4 and plan.schedule == "1f1b"
+    assert plan.stage_devices == ((0, 1), (2, 3), (4, 5), (6, 7)) and plan.num_micro_batches == 4
+    assert [(s.first, s.last, s.mesh_shape) for s in plan.stages] == [(k, k, (2,)) for k in range(4)]
+    assert plan.events == make_schedule("1f1b", 4, 4) and plan.search is None
+    assert all(layout.plan is not None for layout in plan.layouts)  # stage_sharding="auto" plans every stage
     assert f.get_plan().events[:2] == (Event(0, 0, Phase.FORWARD), Event(0, 1, Phase.FORWARD))
 
 
 def test_dump_debug_info(tmp_path):
     params, (x, y) = stage_params(2), data()
-    f = parallelize(staged_loss, method=PipeshardParallel(2, schedule="gpipe"))
+    f = parallelize(staged_loss, method=PipeshardParallel(2, schedule="gpipe", stage_sharding="replicated"))
     f(params, x, y)
     paths = f.dump_debug_info(tmp_path / "debug")
-    assert [p.name for p in paths] == ["stage_0_forward.hlo.txt", "stage_1_forward.hlo.txt", "pipeshard.json"]
+    assert [p.name for p in paths] == ["stage_0_forward.hlo.txt", "stage_0_memory.txt", "stage_1_forward.hlo.txt",
+                                       "stage_1_memory.txt", "pipeshard.json"]
     assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == sorted(p.name for p in paths)  # no temp files
     # Two tanh layers per stage, traced at the micro-batch size 8 / 2 = 4; stage 1 also reads targets.
-    first, second = paths[0].read_text(), paths[1].read_text()
-    assert first.count("stablehlo.tanh") == 2 and second.count("stablehlo.tanh") == 2
-    assert "tensor<4x16xf32>" in first and "tensor<4x32xf32>" in second and "tensor<4x4xf32>" in second
-    summary = json.loads(paths[2].read_text())
-    assert summary == {"schema_version": 1, "num_stages": 2, "stage_devices": [[0, 1, 2, 3], [4, 5, 6, 7]],
-                       "schedule": "gpipe", "num_micro_batches": 2, "data_parallel_stages": False,
+    first, second = paths[0].read_text(), paths[2].read_text()
+    assert first.count(" tanh(") == 2 and second.count(" tanh(") == 2
+    assert "f32[4,16]" in first and "f32[4,32]" in second and "f32[4,4]" in second
+    assert "argument_size_in_bytes" in paths[1].read_text()
+    summary = json.loads(paths[4].read_text())
+    placements = summary.pop("placements")
+    assert summary == {"schema_version": 2, "num_stages": 2, "schedule": "gpipe", "num_micro_batches": 2,
+                       "stage_sharding": "replicated", "search": None,
+                       "stages": [{"layers": [0, 0], "devices": [0, 1, 2, 3], "mesh_shape": [2, 2], "intra_plan": None},
+                                  {"layers": [1, 1], "devices": [4, 5, 6, 7], "mesh_shape": [2, 2],
+                                   "intra_plan": None}],
                        "events": ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]}
+    assert len(placements) == 2 and len(placements[1]["inputs"]) == 4 + 1 + 1  # 2 layers' (w, b), x, targets
 
 
 def test_second_call_with_the_same_shapes_does_not_resplit(monkeypatch):
@@ -200,7 +212,7 @@ def test_second_call_with_the_same_shapes_does_not_resplit(monkeypatch):
 @pytest.mark.parametrize("num_micro_batches", [1, 2])
 def test_data_parallel_stages_equal_value_and_grad(num_stages, schedule, num_micro_batches):
     params, (x, y) = stage_params(num_stages), data()
-    method = PipeshardParallel(num_micro_batches, schedule=schedule, data_parallel_stages=True)
+    method = PipeshardParallel(num_micro_batches, schedule=schedule, stage_sharding="data_parallel")
     f = parallelize(staged_loss, method=method)
     loss, grads = f(params, x, y)
     want_loss, want_grads = reference(params, x, y)
@@ -210,26 +222,24 @@ def test_data_parallel_stages_equal_value_and_grad(num_stages, schedule, num_mic
     for k, g in enumerate(grads):  # grads summed over the stage's devices: replicated on them
         assert devices_of(g) == set(jax.devices()[k * per:(k + 1) * per])
         assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(g))
-    assert f.get_plan().data_parallel_stages
+    assert f.get_plan().stage_sharding == "data_parallel"
 
 
 def test_data_parallel_stage_forwards_take_batch_split_activations(tmp_path):
     params, (x, y) = stage_params(2), data()
-    f = parallelize(staged_loss, method=PipeshardParallel(2, data_parallel_stages=True))
+    f = parallelize(staged_loss, method=PipeshardParallel(2, stage_sharding="data_parallel"))
     f(params, x, y)
-    first, second, summary = f.dump_debug_info(tmp_path)
-    split = '{sdy.sharding = #sdy.sharding<@mesh, [{"devices"}, {}]>}'
-    replicated = '{sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}'
-    # Micro-batches of 4 rows split over 4 devices per stage; weights replicated.
-    assert f"tensor<4x16xf32> {split}" in first.read_text()
-    assert f"tensor<16x32xf32> {replicated}" in first.read_text()
-    assert f"tensor<4x32xf32> {split}" in second.read_text() and f"tensor<4x4xf32> {split}" in second.read_text()
-    assert json.loads(summary.read_text())["data_parallel_stages"] is True
+    first, _, second, _, summary = f.dump_debug_info(tmp_path)
+    # Micro-batches of 4 rows split over 4 devices per stage (one row each); weights whole.
+    assert "f32[1,16]" in first.read_text() and "f32[16,32]" in first.read_text()
+    assert "f32[4,16]" not in first.read_text()
+    assert "f32[1,32]" in second.read_text() and "f32[1,4]" in second.read_text()
+    assert json.loads(summary.read_text())["stage_sharding"] == "data_parallel"
 
 
 def test_data_parallel_stages_need_a_micro_batch_divisible_by_stage_devices():
     params, (x, y) = stage_params(2), data()
-    f = parallelize(staged_loss, method=PipeshardParallel(4, data_parallel_stages=True))
+    f = parallelize(staged_loss, method=PipeshardParallel(4, stage_sharding="data_parallel"))
     with pytest.raises(OptionsError, match="splits each micro-batch of 2 examples .* but stage 0 has 4 devices "
                                            "and 2 is not divisible by 4"):
         f(params, x, y)

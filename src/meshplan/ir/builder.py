@@ -360,6 +360,13 @@ class GraphBuilder:
         """Give node `x` a new name (e.g. `grad.w` once a gradient is known to be final)."""
         self._nodes[x] = dataclasses.replace(self._node(x), name=name)
 
+    @classmethod
+    def from_graph(cls, graph: Graph) -> GraphBuilder:
+        """A builder holding `graph`'s nodes (same ids) but no outputs, to append more nodes to it."""
+        builder = cls(graph.name)
+        builder._nodes = list(graph.nodes)
+        return builder
+
     def build(self) -> Graph:
         graph = Graph(tuple(self._nodes), tuple(self._outputs), tuple(self._aliases),
                       tuple(dict.fromkeys(self._force_replicated)), self.name)

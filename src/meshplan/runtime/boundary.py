@@ -15,6 +15,7 @@ from jax.extend.core import Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 
 from meshplan.errors import GraphError
+from meshplan.runtime.replay import read, replay
 
 pipeline_boundary_p = Primitive("pipeline_boundary")
 pipeline_boundary_p.multiple_results = True
@@ -125,13 +126,8 @@ def _stage_fn(closed: Any, in_vars: list[Any], eqns: Sequence[Any], out_vars: Se
     consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
 
     def run(*flat: Any) -> list[Any]:
-        env = dict(consts)
-        env.update(zip(in_vars, flat, strict=True))
-        read = lambda v: v.val if isinstance(v, Literal) else env[v]
-        for eqn in eqns:
-            outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
-            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else (outs,), strict=True))
-        return [read(v) for v in out_vars]
+        env = replay(eqns, {**consts, **dict(zip(in_vars, flat, strict=True))})
+        return [read(env, v) for v in out_vars]
 
     def stage(stage_params: Any, act: Any, *targets: Any) -> Any:
         outs = run(*jax.tree_util.tree_leaves((stage_params, act, targets)))

@@ -5,10 +5,10 @@ function, activations and cotangents hop between sub-meshes with `jax.device_put
 or 1F1B schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous, so
 steps of different stages that the schedule puts side by side overlap on their devices.
 
-Params are replicated on their stage's sub-mesh. With `data_parallel=True` the activations,
-targets and cotangents are split along the batch dim (dim 0) over the stage's devices, so each
-device runs its slice of the micro-batch and XLA all-reduces the param grads inside the
-backward, whose output sharding is replicated.
+Where a stage keeps its params, activations and targets is its StageLayout
+(runtime.stage_layout): replicated by default; with `data_parallel=True` activations, targets and
+cotangents are split along dim 0 over the stage's devices (XLA all-reduces the param grads
+inside the backward); a planned layout follows the stage's intra-op plan.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from meshplan.errors import MeshError, OptionsError
-
-StageFn = Callable[..., Any]
+from meshplan.runtime.stage_layout import StageFn, StageLayout, data_parallel_layout, replicated_layout
 
 
 class Phase(enum.Enum):
@@ -49,13 +48,15 @@ class Pipeline:
 
     `stage_fns[k](params_k, x) -> y` for every stage but the last, which is
     `stage_fns[-1](params, x, targets) -> scalar loss`. Sub-meshes must not share devices.
-    With `data_parallel=True`, every activation, target and cotangent leaf is split along dim 0
-    over all of its stage's devices (`activation_sharding`); params stay replicated.
+    `layouts[k]` says where stage k keeps its values and gives the function actually run (a
+    planned layout's carries sharding constraints); by default every stage is replicated on its
+    sub-mesh, or with `data_parallel=True` splits activations, targets and cotangents along dim 0.
     """
 
     stage_fns: tuple[StageFn, ...]
     stage_meshes: tuple[Mesh, ...]
     data_parallel: bool = False
+    layouts: tuple[StageLayout, ...] | None = None
     _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
     _backwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
@@ -64,8 +65,17 @@ class Pipeline:
         object.__setattr__(self, "stage_meshes", tuple(self.stage_meshes))
         _check_stages(self.stage_fns, self.stage_meshes)
         last = len(self.stage_fns) - 1
-        forwards, backwards = zip(*(_jit_stage(fn, self.sharding(k), self.activation_sharding(k), k == last)
-                                    for k, fn in enumerate(self.stage_fns)), strict=True)
+        if self.layouts is None:
+            default = data_parallel_layout if self.data_parallel else replicated_layout
+            layouts = tuple(default(fn, mesh, k == last)
+                            for k, (fn, mesh) in enumerate(zip(self.stage_fns, self.stage_meshes, strict=True)))
+            object.__setattr__(self, "layouts", layouts)
+        elif len(self.layouts) != len(self.stage_fns):
+            raise OptionsError(f"Pipeline got {len(self.layouts)} layouts for {len(self.stage_fns)} stages; "
+                               f"give one StageLayout per stage")
+        object.__setattr__(self, "layouts", tuple(self.layouts))
+        forwards, backwards = zip(*(_jit_stage(layout, k == last) for k, layout in enumerate(self.layouts)),
+                                  strict=True)
         object.__setattr__(self, "_forwards", forwards)
         object.__setattr__(self, "_backwards", backwards)
 
@@ -74,15 +84,25 @@ class Pipeline:
         """How many stages the pipeline has."""
         return len(self.stage_fns)
 
-    def sharding(self, stage: int) -> NamedSharding:
-        """Where stage `stage` keeps its params, grads and loss: replicated on its sub-mesh."""
-        return NamedSharding(self.stage_meshes[stage], PartitionSpec())
+    def sharding(self, stage: int) -> Any:
+        """Where stage `stage` keeps its params and grads (a sharding or a pytree of them)."""
+        return self.layouts[stage].params
 
-    def activation_sharding(self, stage: int) -> NamedSharding:
-        """Where stage `stage` keeps its activations, targets and cotangents: dim 0 split over
-        all of its sub-mesh's axes with `data_parallel`, else replicated."""
-        mesh = self.stage_meshes[stage]
-        return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)) if self.data_parallel else PartitionSpec())
+    def activation_sharding(self, stage: int) -> Any:
+        """Where stage `stage` takes its input activations (and returns their cotangents)."""
+        return self.layouts[stage].inputs
+
+    def output_sharding(self, stage: int) -> Any:
+        """Where stage `stage` leaves its output activations (its loss, for the last stage)."""
+        return self.layouts[stage].outputs
+
+    def targets_sharding(self) -> Any:
+        """Where the last stage takes its targets."""
+        return self.layouts[-1].targets
+
+    def lower_forward(self, stage: int, *args: Any) -> Any:
+        """Lower stage `stage`'s jitted forward for `args` (arrays or ShapeDtypeStructs)."""
+        return self._forwards[stage].lower(*args)
 
     def check_batch_split(self, stage: int, tree: Any, what: str) -> None:
         """Raise OptionsError if `data_parallel` cannot split `tree`'s leaves over stage `stage`'s devices."""
@@ -122,19 +142,22 @@ def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
             seen[device] = k
 
 
-def _jit_stage(fn: StageFn, params: NamedSharding, acts: NamedSharding, is_last: bool) -> tuple[Any, Any]:
-    """The stage's jitted forward (saving its vjp) and backward, pinned to its shardings.
+def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
+    """The stage's jitted forward (saving its vjp) and backward, pinned to its layout.
 
     Residuals in the vjp function keep whatever sharding XLA picks (`None`); the backward's
-    replicated param-grad output is what makes XLA sum the per-device partial grads.
+    grad output shardings are what make XLA sum (or reduce-scatter) the partial grads.
     """
+    fn = layout.fn
     if is_last:
         forward = jax.jit(lambda p, x, t: jax.vjp(lambda p_, x_: fn(p_, x_, t), p, x),
-                          in_shardings=(params, acts, acts), out_shardings=(params, None))
+                          in_shardings=(layout.params, layout.inputs, layout.targets),
+                          out_shardings=(layout.outputs, None))
     else:
-        forward = jax.jit(lambda p, x: jax.vjp(fn, p, x), in_shardings=(params, acts), out_shardings=(acts, None))
-    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent),
-                       in_shardings=(None, params if is_last else acts), out_shardings=(params, acts))
+        forward = jax.jit(lambda p, x: jax.vjp(fn, p, x), in_shardings=(layout.params, layout.inputs),
+                          out_shardings=(layout.outputs, None))
+    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.outputs),
+                       out_shardings=(layout.param_grads, layout.input_grads))
     return forward, backward
 
 
@@ -204,7 +227,7 @@ def make_schedule(schedule: str, num_stages: int, num_micro_batches: int) -> tup
 # --- execution ---------------------------------------------------------------------------------
 
 def place_params(pipeline: Pipeline, params_per_stage: Sequence[Any]) -> list[Any]:
-    """Put each stage's params (a pytree) on that stage's sub-mesh, replicated."""
+    """Put each stage's params (a pytree) on that stage's sub-mesh, laid out as its layout says."""
     if len(params_per_stage) != pipeline.num_stages:
         raise OptionsError(f"got params for {len(params_per_stage)} stages but the pipeline has "
                            f"{pipeline.num_stages}; pass one params pytree per stage")
@@ -245,7 +268,7 @@ class _Run:
         last = s == pipeline.num_stages - 1
         if last:
             pipeline.check_batch_split(s, self.targets[m], "targets")
-        extra = (jax.device_put(self.targets[m], pipeline.activation_sharding(s)),) if last else ()
+        extra = (jax.device_put(self.targets[m], pipeline.targets_sharding()),) if last else ()
         y, self.vjps[(s, m)] = self.pipeline._forwards[s](self.params[s], x, *extra)
         if last:
             self.losses.append(y)
@@ -257,7 +280,7 @@ class _Run:
         if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
             ct = self.seed.astype(self.losses[0].dtype)
         else:
-            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.activation_sharding(s))
+            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
         grad, dx = self.pipeline._backwards[s](self.vjps.pop((s, m)), ct)
         self.grads[s] = grad if s not in self.grads else _accumulate(self.grads[s], grad)
         if s:
@@ -285,7 +308,7 @@ def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any
         the steps in the order they were dispatched.
     """
     events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
-    last = pipeline.sharding(pipeline.num_stages - 1)
+    last = pipeline.output_sharding(pipeline.num_stages - 1)
     inputs = _micro_batches(batch, num_micro_batches, "batch")
     for k in range(pipeline.num_stages):  # fail before any step runs; activations keep the batch rows
         pipeline.check_batch_split(k, inputs[0], "micro-batch")

@@ -1,0 +1,140 @@
+"""Inter-op pass for captured programs: group layers into stages and size each stage's sub-mesh.
+
+The layers are the segments a loss function's `mark_pipeline_boundary` calls cut. Each layer's
+forward + backward is planned by the intra-op ILP on every logical mesh a sub-mesh of the
+candidate sizes can form; a range of layers on a sub-mesh costs the sum of its layers' plan
+objectives on the best common logical shape plus the activation hand-off, and the stage DP
+(meshplan.inter.stage_dp, Alpa §5) picks the stages minimising the 1F1B latency with every
+device used. Identical layers (same jaxpr, same shapes) are planned once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshplan.errors import MeshError
+from meshplan.inter.stage_dp import plan_stages
+from meshplan.intra.options import IntraOptions
+from meshplan.runtime.defaults import ALPHA_S, BETA_S_PER_BYTE, local_mesh
+from meshplan.runtime.stage_layout import plan_stage
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """One pipeline stage: layers `first..last` (inclusive) on `devices` viewed as `mesh_shape`."""
+
+    first: int
+    last: int
+    devices: tuple[int, ...]  # indices into the device list
+    mesh_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StageSearch:
+    """What the search chose and why.
+
+    Attributes:
+        stages: the stages in pipeline order.
+        latency: the predicted pipeline latency of one step (seconds, cost-model units).
+        stage_latencies: per stage, the predicted time of one micro-batch's forward + backward.
+        layer_costs: per layer, {logical mesh shape: planned cost of one micro-batch}.
+    """
+
+    stages: tuple[StageAssignment, ...]
+    latency: float
+    stage_latencies: tuple[float, ...]
+    layer_costs: tuple[dict[tuple[int, ...], float], ...]
+
+
+def submesh_sizes(num_devices: int) -> tuple[int, ...]:
+    """Candidate sub-mesh sizes: the divisors of the device count."""
+    return tuple(d for d in range(1, num_devices + 1) if num_devices % d == 0)
+
+
+def logical_shapes(size: int) -> tuple[tuple[int, ...], ...]:
+    """Logical meshes of `size` devices: 1-D, and every 2-D factorisation with both sides > 1."""
+    return ((size,), *((a, size // a) for a in range(2, size) if size % a == 0 and size // a > 1))
+
+
+def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any, targets: Any,
+                  num_devices: int, num_micro_batches: int, options: IntraOptions) -> StageSearch:
+    """Best stages for `layer_fns` on `num_devices` devices with `num_micro_batches` micro-batches.
+
+    Args:
+        layer_fns: from `split_into_stages`: `layer_k(params_k, act)`; the last also takes targets.
+        layer_params: example params per layer (arrays or ShapeDtypeStructs).
+        x, targets: example micro-batch input and targets.
+        num_devices: devices the stages must use, all of them.
+        num_micro_batches: micro-batches per step (the DP's B).
+        options: the intra-op ILP's options.
+
+    Raises:
+        MeshError: no assignment uses every device (cannot happen with >= 1 layer; kept as a guard).
+    """
+    num_layers = len(layer_fns)
+    acts = _activations(layer_fns, layer_params, x)
+    planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]] = {}  # identical layers: once
+    costs = tuple(_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, planned)
+                  for k in range(num_layers))
+    sizes = submesh_sizes(num_devices)
+    latency = np.full((num_layers, num_layers, len(sizes), num_layers + 1), np.inf)
+    best_shape: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    for first in range(num_layers):
+        for last in range(first, num_layers):
+            handoff = 0.0 if last == num_layers - 1 else 2 * (ALPHA_S + _bytes(acts[last + 1]) * BETA_S_PER_BYTE)
+            for m, size in enumerate(sizes):
+                totals = {shape: sum(costs[j][shape] for j in range(first, last + 1)) for shape in logical_shapes(size)}
+                shape = min(totals, key=totals.get)
+                best_shape[first, last, m] = shape
+                latency[first, last, m, 1:] = totals[shape] + handoff
+    found = plan_stages(latency, sizes, num_devices, num_micro_batches)
+    if found is None:
+        raise MeshError(f"no pipeline of {num_layers} layers uses all {num_devices} devices")
+    stages, start = [], 0
+    for slot in found.stages:
+        size = sizes[slot.submesh]
+        stages.append(StageAssignment(slot.first, slot.last, tuple(range(start, start + size)),
+                                      best_shape[slot.first, slot.last, slot.submesh]))
+        start += size
+    return StageSearch(tuple(stages), found.total, tuple(s.latency for s in found.stages), costs)
+
+
+def _activations(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any) -> list[Any]:
+    """acts[k]: ShapeDtypeStructs of layer k's input (acts[0] is x)."""
+    acts = [_shapes(x)]
+    for fn, params in zip(layer_fns[:-1], layer_params[:-1], strict=False):
+        acts.append(jax.eval_shape(fn, _shapes(params), acts[-1]))
+    return acts
+
+
+def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], acts: list[Any],
+                 targets: Any, k: int, num_devices: int, options: IntraOptions,
+                 planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]]) -> dict[tuple[int, ...], float]:
+    """Layer k's planned cost per logical shape, from `planned` when an identical layer was planned."""
+    last = k == len(layer_fns) - 1
+    params, t = _shapes(layer_params[k]), _shapes(targets) if last else None
+    key = (str(jax.make_jaxpr(layer_fns[k])(params, acts[k], *(() if t is None else (t,)))), k == 0, last)
+    if key in planned:
+        return planned[key]
+    costs = {}
+    for size in submesh_sizes(num_devices):
+        for shape in logical_shapes(size):
+            plan = plan_stage(layer_fns[k], local_mesh(shape), options, params, acts[k], t,
+                              differentiate_input=k > 0, name=f"layer{k}")[2]
+            costs[shape] = plan.objective
+    planned[key] = costs
+    return costs
+
+
+def _bytes(tree: Any) -> float:
+    return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree)))
+
+
+def _shapes(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

@@ -1,0 +1,247 @@
+"""Pipeshard with planned (intra-op) stages: six training programs cut into two pipeline stages
+train for 3 steps exactly like one device; the planner's stage layouts are really applied; the
+inter-op search ("auto" stages) picks the pipeline it predicts best.
+
+Tolerances: float32, rtol 1e-5 plus atol 1e-5 near zero on losses and params over 3 steps, and
+at every step the pipelined grads equal one device's grads at the same params (atol 1e-6).
+Adam's params after 3 steps get atol 2 * lr: micro-batches sum gradients in another order
+(~1e-7), and Adam scales each element's step by its own gradient, so an element whose gradient
+is below that noise (one of the GPT's is -5e-9) takes a step of +-lr with a random sign.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jax_models import transformer_args, transformer_block
+from meshplan.api import parallelize
+from meshplan.inter.stage_dp import pipeline_latency
+from meshplan.pipeshard import PipeshardParallel, PipeshardStage
+from meshplan.runtime import mark_pipeline_boundary
+from meshplan.runtime.stage_search import logical_shapes
+
+STEPS, LR, TOL = 3, 0.05, dict(rtol=1e-5, atol=1e-5)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _normal(key, shape):
+    return jax.random.normal(key, shape) / shape[0] ** 0.5
+
+
+# --- six programs as (loss with one boundary, params per layer, x, targets, update) ---------------
+
+def _sgd(params, grads, state):
+    return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads), state
+
+
+def _mlp(act):
+    def loss(params, x, y):
+        first, second = params
+        h = mark_pipeline_boundary(act(x @ first["w1"] + first["b1"]))
+        return jnp.mean((h @ second["w2"] - y) ** 2)
+    return loss
+
+
+def _mlp_data(batch=16, d_in=128, hidden=256, d_out=64):
+    k = jax.random.split(jax.random.key(0), 4)
+    params = [{"w1": _normal(k[0], (d_in, hidden)), "b1": jnp.zeros((hidden,))}, {"w2": _normal(k[1], (hidden, d_out))}]
+    return params, jax.random.normal(k[2], (batch, d_in)), jax.random.normal(k[3], (batch, d_out))
+
+
+def mlp_program():
+    return _mlp(jax.nn.relu), *_mlp_data(), _sgd
+
+
+def gelu_program():
+    return _mlp(lambda h: jax.nn.gelu(h, approximate=False)), *_mlp_data(), _sgd
+
+
+def remat_program():
+    def loss(params, x, y):
+        first, second = params
+        h = jax.checkpoint(lambda x, w, b: jnp.tanh(x @ w + b))(x, first["w1"], first["b1"])
+        return jnp.mean((mark_pipeline_boundary(h) @ second["w2"] - y) ** 2)
+    return loss, *_mlp_data(), _sgd
+
+
+def transformer_program():
+    def loss(params, x, y):
+        h = mark_pipeline_boundary(transformer_block(params[0], x))
+        return jnp.mean((transformer_block(params[1], h) - y) ** 2)
+    (first, x), (second, y) = transformer_args(8, 16, 64, 256, seed=0), transformer_args(8, 16, 64, 256, seed=1)
+    return loss, [first, second], x, y, _sgd
+
+
+def embedding_program(batch=16, vocab=256, dim=64, classes=32):
+    def loss(params, tokens, labels):
+        h = mark_pipeline_boundary(jnp.take(params[0]["emb"], tokens, axis=0))
+        logits = h @ params[1]["w"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+    k = jax.random.split(jax.random.key(1), 4)
+    params = [{"emb": jax.random.normal(k[0], (vocab, dim))}, {"w": _normal(k[1], (dim, classes))}]
+    return (loss, params, jax.random.randint(k[2], (batch,), 0, vocab),
+            jax.random.randint(k[3], (batch,), 0, classes), _sgd)
+
+
+def gpt_program(batch=8, vocab=64, seq=16, hidden=64, ffn=128):
+    """A two-block GPT, one block per stage, next-token cross-entropy, optax Adam."""
+    def loss(params, tokens, targets):
+        first, second = params
+        h = jnp.take(first["wte"], tokens, axis=0) + first["wpe"]
+        h = mark_pipeline_boundary(transformer_block(first["block"], h))
+        logits = transformer_block(second["block"], h) @ second["head"]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    k = jax.random.split(jax.random.key(2), 4)
+    params = [{"wte": 0.1 * jax.random.normal(k[0], (vocab, hidden)),
+               "wpe": 0.1 * jax.random.normal(k[1], (seq, hidden)),
+               "block": transformer_args(1, seq, hidden, ffn, 2)[0]},
+              {"block": transformer_args(1, seq, hidden, ffn, 3)[0], "head": _normal(k[2], (hidden, vocab))}]
+    tokens = jax.random.randint(k[3], (batch, seq + 1), 0, vocab)
+    tx = optax.adam(1e-3)
+
+    def adam(p, g, state):
+        state = tx.init(p) if state is None else state
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    return loss, params, tokens[:, :-1], tokens[:, 1:], adam
+
+
+PROGRAMS = {"mlp": mlp_program, "transformer": transformer_program, "gpt_adam": gpt_program,
+            "embedding": embedding_program, "gelu": gelu_program, "remat": remat_program}
+
+
+def train_pipelined(f, loss_fn, params, x, y, update):
+    """3 steps: pipelined loss and grads (checked against one device's at the same params), then
+    `update` per layer on the layer's stage devices."""
+    states, losses = [None] * len(params), []
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
+    for _ in range(STEPS):
+        loss, grads = f(params, x, y)
+        want_loss, want_grads = value_and_grad(*jax.device_put((params, x, y), jax.devices()[0]))
+        np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+        for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        step = jax.jit(update)
+        new = []
+        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+            p = jax.tree_util.tree_map(lambda a, b: jax.device_put(a, b.sharding), p, g)
+            p, states[k] = step(p, g, states[k])
+            new.append(p)
+        params = new
+        losses.append(float(loss))
+    return params, losses
+
+
+def train_single_device(loss_fn, params, x, y, update):
+    params, x, y = jax.device_put((params, x, y), jax.devices()[0])
+    states, losses = [None] * len(params), []
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
+    for _ in range(STEPS):
+        loss, grads = value_and_grad(params, x, y)
+        stepped = [jax.jit(update)(p, g, s) for p, g, s in zip(params, grads, states, strict=True)]
+        params, states = [p for p, _ in stepped], [s for _, s in stepped]
+        losses.append(float(loss))
+    return params, losses
+
+
+PARAM_TOL = {"gpt_adam": dict(rtol=1e-5, atol=2e-3)}  # 2 * Adam's lr, see the module docstring
+
+
+def assert_same_training(method, program):
+    loss_fn, params, x, y, update = PROGRAMS[program]()
+    f = parallelize(loss_fn, method=method)
+    got, got_losses = train_pipelined(f, loss_fn, params, x, y, update)
+    want, want_losses = train_single_device(loss_fn, params, x, y, update)
+    np.testing.assert_allclose(got_losses, want_losses, **TOL)
+    for value, expected in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(value), np.asarray(expected), **PARAM_TOL.get(program, TOL))
+    return f
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage_mesh", [(4, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_planned_stages_train_like_one_device(program, stage_mesh):
+    """Two stages of 4 devices each (the (8,1), (1,8), (2,4), (4,2) meshes cut in two)."""
+    method = PipeshardParallel(2, schedule="1f1b", stage_mesh_shape=stage_mesh)
+    f = assert_same_training(method, program)
+    plan = f.get_plan()
+    assert [s.mesh_shape for s in plan.stages] == [stage_mesh, stage_mesh]
+    assert all(layout.plan.mesh.shape == stage_mesh for layout in plan.layouts)
+
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_auto_stages_train_like_one_device(program):
+    f = assert_same_training(PipeshardParallel(2, stages="auto", schedule="gpipe"), program)
+    stages = f.get_plan().stages
+    assert stages[0].first == 0 and stages[-1].last == 1 and sum(len(s.devices) for s in stages) == 8
+
+
+# --- the plan is what runs ------------------------------------------------------------------------
+
+def wide_mlp_loss(params, x, y):
+    h = mark_pipeline_boundary(jnp.tanh(x @ params[0]["w1"]))
+    return jnp.mean((jnp.tanh(h @ params[1]["w2"]) @ params[1]["w3"] - y) ** 2)
+
+
+def wide_mlp(batch=8, width=1024):
+    k = jax.random.split(jax.random.key(4), 5)
+    params = [{"w1": _normal(k[0], (width, width))},
+              {"w2": _normal(k[1], (width, width)), "w3": _normal(k[2], (width, width))}]
+    return params, jax.random.normal(k[3], (batch, width)), jax.random.normal(k[4], (batch, width))
+
+
+def test_planned_stage_shards_weights_as_its_plan_says():
+    """Big weights, tiny micro-batches: the stage plans split the contractions over the weights'
+    columns (Megatron-style; gradient all-reduces of 4 MB weights would cost more than
+    all-reducing 4-row activations), so weight gradients come back split, in exactly the planned
+    layouts, numerically equal to one device."""
+    params, x, y = wide_mlp()
+    f = parallelize(wide_mlp_loss, method=PipeshardParallel(2, stage_mesh_shape=(1, 4)))
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(wide_mlp_loss))(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    for k, layout in enumerate(f.get_plan().layouts):
+        leaves = jax.tree_util.tree_leaves(grads[k])
+        assert not all(leaf.sharding.is_fully_replicated for leaf in leaves)
+        for leaf, planned in zip(leaves, jax.tree_util.tree_leaves(layout.param_grads), strict=True):
+            assert leaf.sharding.is_equivalent_to(planned, leaf.ndim)
+
+
+def test_explicit_stage_with_layer_range_and_mesh_shape():
+    params, x, y = wide_mlp(width=64)
+    stages = (PipeshardStage(layers=(0, 1), devices=(6, 2, 4, 0), mesh_shape=(2, 2)),)
+    f = parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages=stages))
+    loss, grads = f(params, x, y)
+    want_loss, _ = jax.jit(jax.value_and_grad(wide_mlp_loss))(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    devices = {d for leaf in jax.tree_util.tree_leaves(grads) for d in leaf.sharding.device_set}
+    assert devices == {jax.devices()[i] for i in (0, 2, 4, 6)}
+    assert f.get_plan().stages[0].mesh_shape == (2, 2)
+
+
+# --- the inter-op search ---------------------------------------------------------------------------
+
+def test_search_picks_the_best_predicted_pipeline():
+    """The chosen stages' predicted latency is the 1F1B formula of their stage latencies, and no
+    worse than the single stage over all 8 devices (a candidate the DP must have compared)."""
+    params, x, y = wide_mlp(width=256)
+    f = parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"))
+    f(params, x, y)
+    search = f.get_plan().search
+    assert search.latency == pytest.approx(pipeline_latency(search.stage_latencies, 4))
+    one_stage = min(sum(costs[shape] for costs in search.layer_costs) for shape in logical_shapes(8))
+    assert search.latency <= 4 * one_stage * (1 + 1e-9)
+    used = sorted(i for s in search.stages for i in s.devices)
+    assert used == list(range(8))
+    assert f.get_plan().to_dict()["search"]["predicted_latency_s"] == search.latency
