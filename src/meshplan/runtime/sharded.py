@@ -19,6 +19,7 @@ from meshplan.capture import Captured
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import MeshError, PlanValidationError
 from meshplan.intra.plan import IntraPlan
+from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered
 from meshplan.sharding.spec import ShardingSpec
 
 _AXIS_NAMES = ("x", "y", "z")
@@ -72,20 +73,37 @@ def _dim_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 class ShardedFunction:
     """A captured function jitted with the plan's shardings; call it like the original.
 
-    `lower(*args)` gives the `jax.stages.Lowered` stage (e.g. to count collectives in HLO).
+    `lower(*args)` gives the `jax.stages.Lowered` stage (e.g. to count collectives in HLO);
+    `compile(*args)` compiles ahead of time and reports XLA's full rematerializations.
+
+    Attributes:
+        jitted: the `jax.jit` function of the flat arguments.
+        executable: the `jax.stages.Compiled` calls go to, once `compile` made one; it takes
+            arguments laid out exactly as the plan's input shardings.
     """
 
-    def __init__(self, captured: Captured, jitted: Any) -> None:
+    def __init__(self, captured: Captured, jitted: Any, executable: Any = None) -> None:
         self._captured = captured
         self.jitted = jitted
+        self.executable = executable
 
     def __call__(self, *args: Any) -> Any:
         flat = self._flat_args(args)
-        return jax.tree_util.tree_unflatten(self._captured.out_tree, self.jitted(*flat))
+        run = self.jitted if self.executable is None else self.executable
+        return jax.tree_util.tree_unflatten(self._captured.out_tree, run(*flat))
 
     def lower(self, *args: Any) -> Any:
         """Lower for `args` without running (see `jax.jit(...).lower`)."""
         return self.jitted.lower(*self._flat_args(args))
+
+    def compile(self, *args: Any) -> tuple[ShardedFunction, CompileDiagnostics]:
+        """Compile for `args` (arrays or ShapeDtypeStructs) and read XLA's log while it does.
+
+        Returns:
+            The function bound to the compiled executable, and the CompileDiagnostics.
+        """
+        executable, diagnostics = compile_lowered(self.lower(*args))
+        return ShardedFunction(self._captured, self.jitted, executable), diagnostics
 
     def _flat_args(self, args: tuple[Any, ...]) -> list[Any]:
         flat, tree = jax.tree_util.tree_flatten(args)
@@ -96,13 +114,17 @@ class ShardedFunction:
         return flat
 
 
-def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh) -> ShardedFunction:
+def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh,
+                    donate_argnums: Sequence[int] = ()) -> ShardedFunction:
     """Jit the captured function so that every value follows `plan`'s sharding.
 
     Args:
         captured: the output of `meshplan.capture.capture`.
         plan: an IntraPlan of `captured.graph`.
         mesh: from `make_jax_mesh(plan.mesh)`.
+        donate_argnums: flat argument (leaf) indices whose buffers XLA may reuse for results,
+            e.g. `pair_donated(...).donated`; plan with those pairs as graph aliases so that
+            each argument and its result share a layout. Donated arrays are deleted by a call.
 
     Returns:
         A ShardedFunction taking the same (pytree) arguments as the captured function.
@@ -113,7 +135,8 @@ def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh) -> ShardedF
     shard = lambda node: NamedSharding(mesh, partition_spec(placeable_spec(specs[node], graph[node].shape, plan.mesh)))
     run = _interpreter(captured, specs, plan.mesh, mesh)
     jitted = jax.jit(run, in_shardings=tuple(shard(n) for n in captured.input_nodes),
-                     out_shardings=tuple(shard(n) for n in captured.output_nodes))
+                     out_shardings=tuple(shard(n) for n in captured.output_nodes),
+                     donate_argnums=tuple(donate_argnums))
     return ShardedFunction(captured, jitted)
 
 

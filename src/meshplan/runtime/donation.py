@@ -1,0 +1,148 @@
+"""Donation: donated argument leaves of a Captured program -> (argument, result) pairs as aliases.
+
+A donated argument's buffer can hold a result of the same shape and dtype (new parameters
+overwrite the old ones). Each donated leaf takes the first result of its shape and dtype that
+no earlier donated leaf took, in result order — the rule `jax.jit` itself uses to match
+donated buffers, so the pairs planned here are the ones XLA aliases. The pairs become
+`Graph.aliases`, so the intra-op ILP gives each argument and its result one layout (a buffer
+can only be reused in place when both are split the same way). A pair for which the strategy
+space offers no common layout makes the ILP infeasible; `drop_unplaceable` removes such pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.capture import Captured
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.intra.options import IntraOptions
+from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
+from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
+
+
+class UnusedDonationWarning(UserWarning):
+    """Some donated arguments are not donated: no result of their shape and dtype, or the plan
+    cannot lay out the argument and its result alike."""
+
+
+@dataclass(frozen=True, slots=True)
+class Donation:
+    """Which flat argument buffers a compiled function reuses for which flat results.
+
+    Attributes:
+        pairs: (flat argument index, flat result index) pairs, in argument order.
+        unmatched: donated flat argument indices with no result to reuse; not donated.
+        unplaceable: donated flat argument indices the plan cannot lay out like their result;
+            not donated.
+    """
+
+    pairs: tuple[tuple[int, int], ...] = ()
+    unmatched: tuple[int, ...] = ()
+    unplaceable: tuple[int, ...] = ()
+
+    def without_pairs(self) -> Donation:
+        """Nothing donated: every paired argument counted as unplaceable."""
+        return Donation((), self.unmatched, tuple(sorted({*self.unplaceable, *self.donated})))
+
+    @property
+    def donated(self) -> tuple[int, ...]:
+        """Flat argument indices to pass as `jax.jit(..., donate_argnums=...)`."""
+        return tuple(arg for arg, _ in self.pairs)
+
+
+def pair_donated(captured: Captured, leaves: Sequence[int]) -> Donation:
+    """Pair each donated flat argument with the first free result of its shape and dtype.
+
+    Args:
+        captured: the captured program.
+        leaves: flat argument indices the caller donates.
+    """
+    free = list(range(len(captured.program.outputs)))
+    pairs, unmatched = [], []
+    for arg in sorted(set(leaves)):
+        match = next((out for out in free if _same_aval(captured, arg, out)), None)
+        if match is None or not _same_node_shape(captured, arg, match):
+            unmatched.append(arg)
+            continue
+        free.remove(match)
+        pairs.append((arg, match))
+    return Donation(tuple(pairs), tuple(unmatched))
+
+
+def alias_donated(captured: Captured, donation: Donation) -> Captured:
+    """`captured` with each donated pair added to its graph's aliases (parameter, result node)."""
+    aliases = tuple((captured.input_nodes[arg], captured.output_nodes[out]) for arg, out in donation.pairs)
+    graph = dataclasses.replace(captured.graph, aliases=(*captured.graph.aliases, *aliases))
+    return dataclasses.replace(captured, graph=graph)
+
+
+def drop_unplaceable(captured: Captured, donation: Donation, mesh: LogicalMesh,
+                     options: IntraOptions) -> Donation:
+    """`donation` without the arguments that share no layout with their result in the strategy space.
+
+    The others are paired again, as jax.jit will pair them once the dropped ones are no longer
+    donated (a freed result may go to another argument), until every pair can share a layout.
+    Seen: under forced data parallelism a bias gradient is all-reduced, so the update of a bias
+    is offered only replicated, while Zero3Parallel offers the bias itself only split.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsupportedOpWarning)  # solve_intra already reported them
+        nodes = enumerate_strategies(captured.graph, mesh, options.cost, options.rules)
+    sg = build_strategy_graph(captured.graph, mesh, options.cost, nodes)
+    requested = sorted({*donation.donated, *donation.unmatched})
+    dropped = set(donation.unplaceable)
+    while True:
+        current = pair_donated(captured, [a for a in requested if a not in dropped])
+        bad = {a for a, r in current.pairs if not can_share(sg, captured.input_nodes[a], captured.output_nodes[r])}
+        if not bad:
+            return dataclasses.replace(current, unplaceable=tuple(sorted(dropped)))
+        dropped |= bad
+
+
+def warn_not_donated(captured: Captured, donation: Donation, where: str, stacklevel: int = 2) -> None:
+    """Emit an UnusedDonationWarning naming the donated leaves that are not donated, and why."""
+    graph = captured.graph
+    name = lambda a: f"{graph[captured.input_nodes[a]].name} {_aval_text(captured, a)}"  # noqa: E731
+    reasons = []
+    if donation.unmatched:
+        reasons.append(f"{', '.join(map(name, donation.unmatched))} (no result of the same shape and dtype "
+                       f"left to reuse the buffer)")
+    if donation.unplaceable:
+        reasons.append(f"{', '.join(map(name, donation.unplaceable))} (the planner offers the argument "
+                       f"and its result no common layout)")
+    if reasons:
+        warnings.warn(
+            f"{where}: donated argument leaves {'; '.join(reasons)} are not donated and stay valid. Drop those "
+            f"arguments from donate_argnums, or pass donate_argnums=\"auto\" to donate what can be donated "
+            f"without this warning.", UnusedDonationWarning, stacklevel=stacklevel + 1)
+
+
+def can_share(sg: StrategyGraph, param: int, result: int) -> bool:
+    """Whether the strategy space offers node `param` and node `result` one layout."""
+    p_specs = [s.output for s in sg.nodes[param].strategies]
+    r_specs = [s.output for s in sg.nodes[result].strategies]
+    if sg.leader[param] == sg.leader[result]:  # one decision: choice i of both
+        return any(p == r for p, r in zip(p_specs, r_specs, strict=True))
+    return any(p == r for p in p_specs for r in r_specs)
+
+
+def _same_aval(captured: Captured, arg: int, out: int) -> bool:
+    program = captured.program
+    a, r = program.avals[program.inputs[arg]], program.avals[program.outputs[out]]
+    return (tuple(a.shape), a.dtype) == (tuple(r.shape), r.dtype)
+
+
+def _same_node_shape(captured: Captured, arg: int, out: int) -> bool:
+    # Graph.aliases need equal node shapes. A result node standing for a value of another
+    # shape cannot be aliased; its argument is then not donated at all, which keeps jax.jit's
+    # own matching (by shape and dtype, like `_same_aval`) equal to these pairs.
+    graph = captured.graph
+    return graph[captured.input_nodes[arg]].shape == graph[captured.output_nodes[out]].shape
+
+
+def _aval_text(captured: Captured, arg: int) -> str:
+    aval = captured.program.avals[captured.program.inputs[arg]]
+    return f"{aval.dtype}{list(aval.shape)}"
