@@ -183,6 +183,7 @@ def test_dump_debug_info(tmp_path):
                                    "intra_plan": None}],
                        "events": ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]}
     assert len(placements) == 2 and len(placements[1]["inputs"]) == 4 + 1 + 1  # 2 layers' (w, b), x, targets
+    assert [p["involuntary_rematerializations"] for p in placements] == [0, 0]
 
 
 def test_second_call_with_the_same_shapes_does_not_resplit(monkeypatch):

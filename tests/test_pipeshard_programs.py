@@ -21,6 +21,7 @@ from jax_models import transformer_args, transformer_block
 from meshplan.api import parallelize
 from meshplan.inter.stage_dp import pipeline_latency
 from meshplan.pipeshard import PipeshardParallel, PipeshardStage
+from meshplan.report.pipeshard_text import pipeshard_text
 from meshplan.runtime import mark_pipeline_boundary
 from meshplan.runtime.stage_search import logical_shapes
 
@@ -245,3 +246,7 @@ def test_search_picks_the_best_predicted_pipeline():
     used = sorted(i for s in search.stages for i in s.devices)
     assert used == list(range(8))
     assert f.get_plan().to_dict()["search"]["predicted_latency_s"] == search.latency
+    text = pipeshard_text(f.get_plan())
+    assert f"predicted step latency {search.latency * 1e3:.3f} ms" in text
+    assert text.count("\nstage ") == len(search.stages) and "stage 0: layer(s) 0" in text
+    assert "args[0][0]['w1']" in text and " grad " in text  # every stage lists its params' layouts

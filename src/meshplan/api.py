@@ -367,7 +367,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
         if isinstance(method, PipeshardParallel):  # a loss fn with boundaries: pipelined (loss, grads)
             if donated:
                 raise OptionsError(f"parallelize(method=PipeshardParallel(...), donate_argnums={donated!r}): "
-                                   "pipelined functions do not donate buffers yet; drop donate_argnums")
+                                   "a pipelined loss function returns (loss, grads), no updated state that could "
+                                   "reuse its arguments' buffers; drop donate_argnums")
             return PipeshardFunction(f, method, devices)
         return ParallelizedFunction(f, method, devices, argnums, donated)
 

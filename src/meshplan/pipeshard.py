@@ -28,6 +28,7 @@ from meshplan.files import write_json_atomic, write_text_atomic
 from meshplan.intra.options import IntraOptions
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.defaults import FLOPS_PER_SECOND, default_mesh_shape, local_mesh
+from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
 from meshplan.runtime.pipeline import SCHEDULES, Event, Pipeline, apply_update, run_pipeline
 from meshplan.runtime.sharded import axis_names
 from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
@@ -258,18 +259,22 @@ class PipeshardFunction:
     def dump_debug_info(self, folder: str | Path) -> tuple[Path, ...]:
         """Write, per stage k, stage_<k>_forward.hlo.txt (the compiled forward at micro-batch
         shapes) and stage_<k>_memory.txt (its memory analysis), and pipeshard.json
-        (`PipeshardPlan.to_dict` plus each stage's input and output shardings); return the paths."""
+        (`PipeshardPlan.to_dict` plus, per stage, its forward's input and output shardings and
+        compile diagnostics); return the paths. A stage whose forward XLA had to fully
+        rematerialize raises a RematerializationWarning."""
         last = self._require_last()
         folder = Path(folder)
         paths, placements = [], []
         for k, example in enumerate(last.example_inputs):
-            compiled = last.pipeline.lower_forward(k, *example).compile()
+            compiled, diagnostics = compile_lowered(last.pipeline.lower_forward(k, *example))
+            warn_if_rematerialized(diagnostics, f"{self.__name__} stage {k} forward")
             paths.append(folder / f"stage_{k}_forward.hlo.txt")
             write_text_atomic(paths[-1], compiled.as_text())
             paths.append(folder / f"stage_{k}_memory.txt")
             write_text_atomic(paths[-1], f"{compiled.memory_analysis()}\n")
             placements.append({"inputs": [str(s) for s in jax.tree_util.tree_leaves(compiled.input_shardings)],
-                               "outputs": [str(s) for s in jax.tree_util.tree_leaves(compiled.output_shardings)]})
+                               "outputs": [str(s) for s in jax.tree_util.tree_leaves(compiled.output_shardings)],
+                               **diagnostics.to_dict()})
         paths.append(folder / "pipeshard.json")
         write_json_atomic(paths[-1], {**last.plan.to_dict(), "placements": placements})
         return tuple(paths)

@@ -160,7 +160,7 @@ def _interpreter(captured: Captured, specs: dict[int, ShardingSpec], logical: Lo
     """A function of the flat arguments that replays the flat program with sharding constraints."""
     program = captured.program
     split = {vid: NamedSharding(mesh, partition_spec(specs[n])) for vid, n in captured.value_nodes.items()
-             if _constrains(specs[n], tuple(program.avals[vid].shape), captured.graph.nodes[n].shape, logical)}
+             if is_constrained(specs[n], tuple(program.avals[vid].shape), captured.graph.nodes[n].shape, logical)}
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(program.constants)
@@ -176,7 +176,7 @@ def _interpreter(captured: Captured, specs: dict[int, ShardingSpec], logical: Lo
     return run
 
 
-def _constrains(spec: ShardingSpec, value_shape: tuple[int, ...], node_shape: tuple[int, ...],
+def is_constrained(spec: ShardingSpec, value_shape: tuple[int, ...], node_shape: tuple[int, ...],
                 mesh: LogicalMesh) -> bool:
     """Constrain only values the plan splits, evenly, and whose node has the value's own shape."""
     return not spec.is_replicated and value_shape == node_shape and spec.is_valid_for(value_shape, mesh)

@@ -29,7 +29,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import Graph
 from meshplan.runtime.replay import read, replay
-from meshplan.runtime.sharded import _constrains, partition_spec, placeable_spec
+from meshplan.runtime.sharded import is_constrained, partition_spec, placeable_spec
 
 StageFn = Callable[..., Any]
 
@@ -134,7 +134,7 @@ def _constrained(captured: Captured, specs: dict[int, Any], logical: LogicalMesh
     closed = captured.jaxpr
     jaxpr = closed.jaxpr
     split = {var: NamedSharding(mesh, partition_spec(specs[n])) for var, n in captured.var_nodes.items()
-             if _constrains(specs[n], tuple(var.aval.shape), captured.graph[n].shape, logical)}
+             if is_constrained(specs[n], tuple(var.aval.shape), captured.graph[n].shape, logical)}
 
     def constrain(var: Any, value: Any) -> Any:
         where = split.get(var)

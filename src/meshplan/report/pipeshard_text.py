@@ -1,0 +1,45 @@
+"""Text report of a pipeshard plan: stages, sub-meshes, predicted times and parameter layouts."""
+
+from __future__ import annotations
+
+from meshplan.pipeshard import PipeshardPlan
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5"."""
+    parts, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            parts.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ",".join(parts)
+
+
+def pipeshard_text(plan: PipeshardPlan) -> str:
+    """The plan as lines of text: one header per stage, then each parameter's planned layout and
+    its gradient's (R = whole, S0/S1 = split over mesh axis 0/1, per tensor dim)."""
+    lines = [f"pipeshard plan: {plan.num_stages} stage(s), {plan.num_micro_batches} micro-batch(es), "
+             f"{plan.schedule}, stage sharding {plan.stage_sharding}"]
+    if plan.search is not None:
+        lines.append(f"predicted step latency {plan.search.latency * 1e3:.3f} ms (cost model)")
+    for k, stage in enumerate(plan.stages):
+        layers = str(stage.first) if stage.first == stage.last else f"{stage.first}-{stage.last}"
+        head = (f"stage {k}: layer(s) {layers} on devices {_ranges(stage.devices)} as "
+                f"{'x'.join(map(str, stage.mesh_shape))}")
+        if plan.search is not None:
+            head += f"; predicted {plan.search.stage_latencies[k] * 1e3:.3f} ms per micro-batch"
+        lines.append(head)
+        intra = plan.layouts[k].plan if plan.layouts else None
+        if intra is None:
+            continue
+        b = intra.breakdown
+        lines.append(f"  intra-op plan cost {intra.objective:.3e} s (compute {b.compute:.3e}, communication "
+                     f"{b.communication:.3e}, resharding {b.resharding:.3e})")
+        grads = {c.name.removeprefix("grad."): c for c in intra.nodes if c.name.startswith("grad.")}
+        for c in intra.nodes:
+            if c.op == "parameter" and c.name.startswith("args[0]"):
+                grad = grads.get(c.name)
+                lines.append(f"  {c.name:<40} {c.output!s:<8} grad {grad.output if grad else '-'}")
+    return "\n".join(lines)
