@@ -62,12 +62,12 @@ def brute_force(sg, budget):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=small_graphs(), shape=st.sampled_from([(2, 2), (4, 1), (2, 1), (1, 2)]),
        beta=st.tuples(st.sampled_from([1.0, 0.1]), st.sampled_from([1.0, 0.01])),
-       compute=st.booleans(), budget_fraction=st.sampled_from([None, 0.3, 0.6, 1.0]))
-def test_ilp_equals_brute_force(graph, shape, beta, compute, budget_fraction):
+       compute=st.booleans(), budget_fraction=st.sampled_from([None, 0.3, 0.6, 1.0]), reduce_scatter=st.booleans())
+def test_ilp_equals_brute_force(graph, shape, beta, compute, budget_fraction, reduce_scatter):
     mesh = LogicalMesh(shape, (1.0, 0.5), beta)
     assume(max(d for n in graph.nodes for d in n.shape) >= max(shape))
     cost = CostModel(flops_per_second=50.0 if compute else None)
-    options = IntraOptions(cost=cost)
+    options = IntraOptions(cost=cost, reduce_scatter=reduce_scatter)
     sg, _, _, _ = build_intra_problem(graph, mesh, options)
     assume(math.prod(sg.size(g) for g in sg.groups) <= 4000)
     budget = None

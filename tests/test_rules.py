@@ -8,6 +8,8 @@ from meshplan import GraphBuilder, IntraOptions, LogicalMesh, ShardingSpec, solv
 from meshplan.cost import CollectiveKind, CostModel
 from meshplan.intra import build_intra_problem
 from meshplan.sharding import UnsupportedOpWarning, enumerate_strategies
+from meshplan.sharding.context import RuleConfig
+from meshplan.sharding.strategy import StrategySpace
 
 MESH = LogicalMesh((2, 4), (1.0, 1.0), (1.0, 0.1))
 
@@ -120,3 +122,29 @@ def test_embedding_gather_reads_the_table_whole_and_its_gradient_sums_split_rows
     assert (batch.output, batch.operands[0]) == (S(None, 1), S(0, None))
     assert ar.axes == (0,) and ar.nbytes == 32 * 4 * 4
 
+
+
+def test_reduce_scatter_variants_of_split_contractions():
+    """A weight gradient x^T @ dy with the batch split: besides all-reducing the partial sums,
+    reduce_scatter offers scattering them onto either whole output dim (ZeRO-2's gradients)."""
+    b = GraphBuilder()
+    x = b.parameter((16, 32), name="x")
+    dy = b.parameter((16, 64), name="dy")
+    b.outputs(b.dot(x, dy, (0,), (0,), name="dw"))
+    g, mesh, model = b.build(), LogicalMesh((4,), (1.0,), (0.1,)), CostModel(flops_per_second=1.0)
+    S = ShardingSpec.of
+    plain = {s.output: s for s in enumerate_strategies(g, mesh, model)[2].strategies if s.operands[0] == S(0, None)}
+    assert list(plain) == [S(None, None)]  # the partial sums can only be all-reduced
+    rich = enumerate_strategies(g, mesh, model, RuleConfig(reduce_scatter=True))[2].strategies
+    by_output = {s.output: s for s in rich if s.operands[0] == S(0, None)}
+    assert set(by_output) == {S(None, None), S(0, None), S(None, 0)}
+    partial = 32 * 64 * 4
+    for spec in (S(0, None), S(None, 0)):
+        (rs,) = by_output[spec].collectives
+        assert rs.kind is CollectiveKind.REDUCE_SCATTER and rs.axes == (0,) and rs.nbytes == partial
+        assert by_output[spec].communication == pytest.approx(1.0 + 0.1 * 3 / 4 * partial)
+        assert by_output[spec].memory == partial / 4
+        assert by_output[spec].compute == by_output[S(None, None)].compute == 2 * 4 * 32 * 64
+    assert by_output[S(None, None)].communication == pytest.approx(1.0 + 0.1 * 2 * 3 / 4 * partial)
+    alpa = enumerate_strategies(g, mesh, model, RuleConfig(space=StrategySpace.ALPA, reduce_scatter=True))[2]
+    assert all(c.kind is not CollectiveKind.REDUCE_SCATTER for s in alpa.strategies for c in s.collectives)

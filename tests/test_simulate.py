@@ -119,3 +119,25 @@ def test_simulate_command_json(tmp_path):
     assert data == json.loads(out.read_text())
     assert data["plan"]["prediction"]["iteration_time_s"] > 0
     assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2"}
+
+
+def test_reduce_scatter_widens_the_piece_plans():
+    """A data-parallel block whose held bytes are priced (the planner's second memory menu
+    entry): with reduce_scatter the plan scatters weight gradients onto the sharded optimizer
+    state (ZeRO-2) and is never more expensive, the space being a superset; without it every
+    contraction's partial sums are all-reduced."""
+    from meshplan.cost.collectives import CollectiveKind
+    from meshplan.inter.profile import profile_piece
+    from meshplan.models.training import block_training_graph
+
+    cluster = Cluster(1, 4, get_device("a100-40gb"))
+    mesh = cluster.logical_views((1, 4))[0]
+    piece = block_training_graph(SMALL, 0, 8, 256)
+    costs, kinds = {}, {}
+    for reduce_scatter in (False, True):
+        _, plan = profile_piece(piece, mesh, 1e14, 4, memory_price=max(mesh.beta), force_batch_axis=1,
+                                reduce_scatter=reduce_scatter)
+        costs[reduce_scatter], kinds[reduce_scatter] = plan.objective, {c.kind for c in plan.collectives()}
+    assert CollectiveKind.REDUCE_SCATTER not in kinds[False]
+    assert CollectiveKind.REDUCE_SCATTER in kinds[True]
+    assert costs[True] <= costs[False] * (1 + 1e-4)  # the solver's relative gap

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from meshplan.capture import Captured, capture
+from meshplan.capture import Captured, capture, tag_batch_inputs
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import InfeasiblePlanError, MeshError, OptionsError
@@ -238,7 +238,7 @@ class ParallelizedFunction:
         ordered = self._order(args)
         captured = capture(self._ordered_fn(len(args)), *ordered, name=self.__name__)
         if self.method.forces_batch:
-            captured = _tag_batch_inputs(captured, self._num_batch_leaves(args))
+            captured = tag_batch_inputs(captured, self._num_batch_leaves(args))
         mesh = local_mesh(shape)
         donation, plan = self._solve(captured, pair_donated(captured, self._donated_leaves(args, donated_args)), mesh)
         if self.donate_argnums != "auto":  # "auto" donates what can be donated, silently
@@ -424,17 +424,6 @@ def _signature(args: tuple[Any, ...]) -> Any:
 
 def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
-
-
-def _tag_batch_inputs(captured: Captured, num_batch_leaves: int) -> Captured:
-    """Mark the first `num_batch_leaves` inputs as batch inputs (split over the forced axis)."""
-    nodes = list(captured.graph.nodes)
-    for node_id in captured.input_nodes[:num_batch_leaves]:
-        node = nodes[node_id]
-        if node.rank:
-            nodes[node_id] = dataclasses.replace(node, attrs=tuple(sorted({**dict(node.attrs),
-                                                                         "batch_input": True}.items())))
-    return dataclasses.replace(captured, graph=dataclasses.replace(captured.graph, nodes=tuple(nodes)))
 
 
 def _shardings_text(compiled: Any) -> str:

@@ -63,6 +63,7 @@ def intra(
     space: Annotated[str, typer.Option(help="Strategy space: full or alpa.")] = "full",
     flops: Annotated[float, typer.Option(help="Device FLOP/s in the cost unit; 0 switches compute off.")] = 0.0,
     force_replicated_output: Annotated[bool, typer.Option(help="The output must be replicated.")] = False,
+    reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON plan to this file.")] = "",
     dump_lp: Annotated[str, typer.Option(help="Write the ILP in LP format to this file.")] = "",
@@ -72,7 +73,7 @@ def intra(
     graph = forward_graph(model, batch, seq_len, layers or None, force_replicated_output)
     options = IntraOptions(
         cost=CostModel(flops_per_second=flops or None), space=_space(space), solver=solver,
-        time_limit=time_limit, share_layers=share_layers)
+        time_limit=time_limit, share_layers=share_layers, reduce_scatter=reduce_scatter)
     if dump_lp:
         write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
     plan = solve_intra(graph, logical, options)
@@ -109,6 +110,7 @@ def simulate(
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
+    reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
@@ -127,7 +129,8 @@ def simulate(
         spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
     nodes, per_node = parse_cluster(cluster)
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
-    options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes))
+    options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes),
+                             reduce_scatter=reduce_scatter)
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     with _progress(enabled=not json_out) as progress:
         sim = run_simulation(job, machines, options, progress, baselines)

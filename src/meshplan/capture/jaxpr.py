@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,18 @@ def capture(fn: Callable[..., Any], *example_args: Any, name: str | None = None)
     return Captured(builder.build(), closed, program, tuple(values[v] for v in program.inputs), outputs,
                     values, var_nodes, jax.tree_util.tree_structure(example_args),
                     jax.tree_util.tree_structure(out_shape), unsupported)
+
+
+def tag_batch_inputs(captured: Captured, num_batch_leaves: int) -> Captured:
+    """Mark the first `num_batch_leaves` inputs (with a dim) as batch inputs: planned with a
+    forced batch axis (`IntraOptions.force_batch_dim_to_mesh_dim`), they are split along dim 0."""
+    nodes = list(captured.graph.nodes)
+    for node_id in captured.input_nodes[:num_batch_leaves]:
+        node = nodes[node_id]
+        if node.rank:
+            nodes[node_id] = dataclasses.replace(node, attrs=tuple(sorted({**dict(node.attrs),
+                                                                         "batch_input": True}.items())))
+    return dataclasses.replace(captured, graph=dataclasses.replace(captured.graph, nodes=tuple(nodes)))
 
 
 def _build_steps(builder: GraphBuilder, program: FlatProgram, values: dict[int, int]) -> tuple[str, ...]:

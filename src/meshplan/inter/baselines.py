@@ -140,8 +140,9 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
         reason = f"the global batch {job.global_batch} cannot be split evenly over {devices} devices"
         return Baseline("data-parallel", None, reason), Baseline("zero-2", None, reason)
     key = ("dp", b, shape, index)
-    if key not in priced:
-        task = (key, job, cluster, shape, index, b, job.global_batch // b, options, False)
+    if key not in priced:  # gradients all-reduced: reduce-scattering them would be ZeRO-2 already
+        task = (key, job, cluster, shape, index, b, job.global_batch // b, replace(options, reduce_scatter=False),
+                False)
         priced.update(run_tasks([task], 1, None, "pricing data parallel"))
     costs = priced[key]
     num_microbatches = job.global_batch // b

@@ -71,6 +71,10 @@ class PlannerOptions:
         workers: processes pricing candidates in parallel (1 = in this process).
         relative_bucket: t_max values of the DP closer than this ratio are merged.
         time_limit: seconds per ILP.
+        reduce_scatter: contractions may reduce-scatter their partial sums (IntraOptions); the
+            data-parallel and ZeRO-2 baselines never do (they all-reduce by definition). On by
+            default: GPU collectives run it as such, and it predicts published runs better
+            (docs/validation.md).
     """
 
     efficiency: float = 0.5
@@ -80,6 +84,7 @@ class PlannerOptions:
     workers: int = 2
     relative_bucket: float = 0.01
     time_limit: float = 30.0
+    reduce_scatter: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:
@@ -154,8 +159,9 @@ def price_view(job: TrainingJob, cluster: Cluster, shape: tuple[int, int], view_
     blocks, embed, head = _pieces(job.model, b, job.seq_len, job.dtype, job.optimizer)
     def menu(graph) -> tuple:
         if lean:
-            return profile_menu(graph, mesh, flops, num_microbatches, MEMORY_PRICES[:2], axis)
-        return (profile_piece(graph, mesh, flops, num_microbatches, force_batch_axis=axis)[0],)
+            return profile_menu(graph, mesh, flops, num_microbatches, MEMORY_PRICES[:2], axis, options.reduce_scatter)
+        return (profile_piece(graph, mesh, flops, num_microbatches, force_batch_axis=axis,
+                              reduce_scatter=options.reduce_scatter)[0],)
 
     menus = {moe: menu(g) for moe, g in blocks.items()}
     per_block = tuple(menus[job.model.is_moe_layer(i)] for i in range(job.model.layers))

@@ -67,28 +67,31 @@ ACTIVATION_PRICE = 1e-14
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                   memory_price: float = 0.0, time_limit: float = 30.0,
-                  force_batch_axis: int | None = 0) -> tuple[PieceCost, IntraPlan]:
+                  force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[PieceCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
-    read its costs off the plan."""
+    read its costs off the plan; `reduce_scatter` as in IntraOptions."""
     options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
                                           accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
                                           activation_price=ACTIVATION_PRICE),
-                           force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4)
+                           force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
+                           reduce_scatter=reduce_scatter)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
     return piece_cost(piece, plan, num_microbatches), plan
 
 
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
-                 prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0) -> tuple[PieceCost, ...]:
+                 prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
+                 reduce_scatter: bool = False) -> tuple[PieceCost, ...]:
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
-    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis)
+    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
+                               reduce_scatter=reduce_scatter)
     menu = [fastest]
     unit = max(mesh.beta)
     for factor in prices:
         if factor <= 0:
             continue
         cost, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
-                                force_batch_axis=force_batch_axis)
+                                force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
         if cost.static_bytes < menu[-1].static_bytes * 0.999:
             menu.append(cost)
     return tuple(menu)

@@ -28,6 +28,7 @@ class IntraOptions:
         time_limit: seconds the solver may run; the best plan found so far is kept.
         mip_gap: relative gap at which the solver may stop.
         contractions_use_all_axes: see RuleConfig; None decides by whether compute is priced.
+        reduce_scatter: see RuleConfig.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -40,6 +41,7 @@ class IntraOptions:
     time_limit: float = 60.0
     mip_gap: float = 0.0
     contractions_use_all_axes: bool | None = None
+    reduce_scatter: bool = False
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -52,7 +54,7 @@ class IntraOptions:
     @property
     def rules(self) -> RuleConfig:
         return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
-                          self.contractions_use_all_axes)
+                          self.contractions_use_all_axes, self.reduce_scatter)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

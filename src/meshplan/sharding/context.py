@@ -29,12 +29,15 @@ class RuleConfig:
             means only when compute is free (otherwise replication would look free). True
             prunes the strategy space (much faster ILPs) at the price of never replicating a
             contraction along an axis.
+        reduce_scatter: contractions over split dims may also reduce-scatter their partial
+            sums onto a whole output dim instead of all-reducing them (FULL space only).
     """
 
     space: StrategySpace = StrategySpace.FULL
     allow_replicated_parameters: bool = True
     force_batch_dim_to_mesh_dim: int | None = None
     contractions_use_all_axes: bool | None = None
+    reduce_scatter: bool = False
 
 
 @dataclass(slots=True)

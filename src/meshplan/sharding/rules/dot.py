@@ -60,7 +60,7 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     assignments = list(_alpa_assignments(dims, ctx) if alpa else _full_assignments(dims, ctx))
     if not assignments:  # no split uses every axis (dims too small): allow idle axes
         assignments = list(_full_assignments(dims, ctx, require_all=False))
-    strategies = [_strategy(node, dims, a, ctx) for a in assignments]
+    strategies = [s for a in assignments for s in _strategies(node, dims, a, ctx, scatter=not alpa)]
     forced = ctx.config.force_batch_dim_to_mesh_dim
     if forced is not None and node.id in ctx.batch_dims:
         batch_dim = ctx.batch_dims[node.id]
@@ -100,17 +100,35 @@ def _alpa_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
                 yield {("b", i): (axis,)}
 
 
-def _strategy(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext) -> Strategy:
+def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, scatter: bool) -> Iterator[Strategy]:
+    """The assignment's strategy, whose partial sums (if any) are all-reduced, and with
+    `ctx.config.reduce_scatter` (and `scatter`) one more per whole output dim the partial sums
+    can instead be reduce-scattered over (ZeRO-2's gradients, Megatron's sequence parallelism)."""
     out, lhs, rhs = dims.specs(assignment)
-    memory = ctx.local_bytes(node, out)
     contracted = tuple(a for (group, _), axes in assignment.items() if group == "c" for a in axes)
-    collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, contracted, memory),) if contracted else ()
     local_contract = math.prod(math.ceil(dims.size(("c", i)) / ctx.mesh.axis_size(assignment.get(("c", i), ())))
                                for i in range(len(dims.lc)))
     flops = 2.0 * math.prod(out.shard_shape(node.shape, ctx.mesh)) * local_contract
-    name = f"{out} = {lhs} x {rhs}"
+    partial = ctx.local_bytes(node, out)  # each device's partial result before any reduction
+    yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, flops, partial, ctx)
+    if not (contracted and scatter and ctx.config.reduce_scatter
+            and any(ctx.mesh.shape[a] > 1 for a in contracted)):
+        return
+    for d, axes in enumerate(out.dims):
+        if not axes and ctx.fits(node.shape[d], contracted):
+            scattered = ShardingSpec(tuple(contracted if i == d else a for i, a in enumerate(out.dims)))
+            yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, flops, partial,
+                            ctx)
+
+
+def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec], contracted: tuple[int, ...],
+              reduction: CollectiveKind, flops: float, partial: float, ctx: RuleContext) -> Strategy:
+    collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
+    memory = ctx.local_bytes(node, out)
+    name = f"{out} = {operands[0]} x {operands[1]}"
     if contracted:
-        name += f" (allreduce @ {''.join(map(str, sorted(contracted)))})"
-    return Strategy(name, out, (lhs, rhs), compute=ctx.model.compute_cost(flops),
+        kind = "allreduce" if reduction is CollectiveKind.ALL_REDUCE else "reducescatter"
+        name += f" ({kind} @ {''.join(map(str, sorted(contracted)))})"
+    return Strategy(name, out, operands, compute=ctx.model.compute_cost(flops),
                     communication=sum(c.cost for c in collectives) * ctx.communication_weight(node), memory=memory,
                     collectives=collectives, penalty=ctx.model.activation_price * memory)
