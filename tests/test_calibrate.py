@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from meshplan import MeshError
-from meshplan.cluster import load_cluster_file
+from meshplan.cluster import Cluster, load_cluster_file
+from meshplan.cluster.devices import DeviceSpec
 from meshplan.files import write_json_atomic
 from meshplan.runtime.calibrate import fit_alpha_beta, profile_cluster
+from meshplan.runtime.defaults import DeviceCosts
 
 
 def test_fit_recovers_alpha_beta():
@@ -43,3 +46,72 @@ def test_bad_cluster_files_and_device_counts(tmp_path):
         load_cluster_file(str(bad))
     with pytest.raises(MeshError, match="JAX sees 8"):
         profile_cluster(3, 3, 8e9)
+
+
+# --- planning the runtime with measured costs ------------------------------------------------------
+
+INTRA, INTER = (1e-6, 1e-10), (1e-4, 1e-8)  # (latency s, s/byte): a slow link between nodes
+
+
+def two_node_cluster(nodes=2, per_node=4):
+    device = DeviceSpec("measured", 1e12, 8e9, 1 / INTRA[1], INTRA[0], 1 / INTER[1], INTER[0])
+    return Cluster(nodes, per_node, device)
+
+
+def test_device_costs_give_each_mesh_axis_its_link():
+    costs = DeviceCosts.from_cluster(two_node_cluster())
+    assert costs.flops_per_second == 1e12 and costs.num_devices == 8
+    links = lambda mesh: tuple(zip(mesh.alpha, mesh.beta, strict=True))  # noqa: E731
+    assert links(costs.mesh((2, 4))) == (INTER, INTRA)  # rows are nodes
+    assert links(costs.mesh((4, 2))) == (INTER, INTRA)  # 0 -> 2 -> 4 -> 6 crosses; 0 -> 1 does not
+    assert links(costs.mesh((8,))) == (INTER,)
+    assert links(costs.mesh((2, 2), devices=(4, 5, 6, 7))) == (INTRA, INTRA)  # all on node 1
+    assert links(costs.mesh((2,), devices=(3, 4))) == (INTER,)
+    assert links(DeviceCosts().mesh((2, 4))) == ((1e-5, 1e-9), (1e-5, 1e-9))  # placeholders
+
+
+def test_parallelize_plans_with_a_cluster_file(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from meshplan.api import parallelize
+
+    path = tmp_path / "cluster.json"
+    cluster = two_node_cluster()
+    write_json_atomic(path, {"nodes": 2, "devices_per_node": 4, "device": dataclasses.asdict(cluster.device)})
+
+    def step(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    w, x = jnp.ones((64, 64)) / 64, jax.random.normal(jax.random.key(0), (32, 64))
+    f = parallelize(step, cluster=str(path))
+    np.testing.assert_allclose(float(f(w, x)), float(jax.jit(step)(w, x)), rtol=1e-5)
+    mesh = f.get_plan().mesh
+    assert mesh.shape == (2, 4) and mesh.alpha == (INTER[0], INTRA[0]) and mesh.beta == (INTER[1], INTRA[1])
+    wrong = parallelize(step, cluster=two_node_cluster(1, 4))
+    with pytest.raises(MeshError, match=r"the cluster describes 4 devices but 8 are used; measure these devices"):
+        wrong(w, x)
+    with pytest.raises(MeshError, match="does not exist"):
+        parallelize(step, cluster=str(tmp_path / "missing.json"))
+
+
+def test_pipeshard_stages_plan_on_their_links():
+    import jax
+    import jax.numpy as jnp
+
+    from meshplan.api import parallelize
+    from meshplan.pipeshard import PipeshardParallel, PipeshardStage
+    from meshplan.runtime import mark_pipeline_boundary
+
+    def loss(params, x, y):
+        h = mark_pipeline_boundary(jnp.tanh(x @ params[0]))
+        return jnp.mean((h @ params[1] - y) ** 2)
+
+    params = [jnp.ones((16, 16)) / 16, jnp.ones((16, 4)) / 16]
+    x, y = jax.random.normal(jax.random.key(0), (8, 16)), jnp.zeros((8, 4))
+    stages = (PipeshardStage((0, 0), (0, 1, 4, 5), (2, 2)), PipeshardStage((1, 1), (2, 3, 6, 7), (2, 2)))
+    f = parallelize(loss, method=PipeshardParallel(2, stages=stages), cluster=two_node_cluster())
+    f(params, x, y)
+    for layout in f.get_plan().layouts:  # each stage spans both nodes along axis 0 only
+        assert layout.plan.mesh.alpha == (INTER[0], INTRA[0])

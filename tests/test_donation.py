@@ -20,7 +20,7 @@ from meshplan import IntraOptions, OptionsError
 from meshplan.api import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
 from meshplan.capture import capture
 from meshplan.runtime import donation as donation_module
-from meshplan.runtime.defaults import local_mesh
+from meshplan.runtime.defaults import DeviceCosts
 from meshplan.runtime.donation import Donation, UnusedDonationWarning, drop_unplaceable, pair_donated
 from test_api import mlp_adam_program, train
 
@@ -43,7 +43,7 @@ def test_dropping_an_unplaceable_argument_pairs_the_rest_as_jit_will(monkeypatch
     monkeypatch.setattr(donation_module, "can_share", lambda sg, p, r: (p, r) != first_pair)
     donation = pair_donated(captured, [0, 1])
     assert donation == Donation(pairs=((0, 0), (1, 1)))
-    assert drop_unplaceable(captured, donation, local_mesh((8,)), IntraOptions()) == Donation(
+    assert drop_unplaceable(captured, donation, DeviceCosts().mesh((8,)), IntraOptions()) == Donation(
         pairs=((1, 0),), unplaceable=(0,))
 
 

@@ -7,7 +7,8 @@ planned on a logical mesh of the visible devices (solve_intra), jitted as planne
 arguments (donate_argnums) are paired with results of the same shape and dtype
 (runtime.donation); the pairs are planned as aliases and their buffers reused by XLA.
 
-Cost constants: the placeholders of meshplan.runtime.defaults (not measurements).
+Costs: meshplan.runtime.defaults.DeviceCosts, placeholders unless `parallelize(...,
+cluster=...)` gives measured ones (a cluster file from `meshplan profile-cluster`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshplan.capture import Captured, capture, tag_batch_inputs
+from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import InfeasiblePlanError, MeshError, OptionsError
@@ -31,7 +33,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
 from meshplan.pipeshard import PipeshardFunction, PipeshardParallel
-from meshplan.runtime.defaults import BETA_S_PER_BYTE, FLOPS_PER_SECOND, default_mesh_shape, local_mesh
+from meshplan.runtime.defaults import DeviceCosts, default_mesh_shape
 from meshplan.runtime.diagnostics import CompileDiagnostics, warn_if_rematerialized
 from meshplan.runtime.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
 from meshplan.runtime.sharded import (
@@ -63,8 +65,8 @@ class ShardParallel:
                 f"or pass that many devices to parallelize(devices=...)")
         return shape
 
-    def options(self) -> IntraOptions:
-        return IntraOptions(cost=CostModel(flops_per_second=FLOPS_PER_SECOND))
+    def options(self, costs: DeviceCosts) -> IntraOptions:
+        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second))
 
     @property
     def forces_batch(self) -> bool:
@@ -82,8 +84,8 @@ class DataParallel:
     def mesh(self, num_devices: int) -> tuple[int, ...]:
         return (num_devices,)
 
-    def options(self) -> IntraOptions:
-        return IntraOptions(cost=CostModel(flops_per_second=FLOPS_PER_SECOND), force_batch_dim_to_mesh_dim=0)
+    def options(self, costs: DeviceCosts) -> IntraOptions:
+        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second), force_batch_dim_to_mesh_dim=0)
 
     @property
     def forces_batch(self) -> bool:
@@ -104,8 +106,8 @@ class Zero2Parallel(DataParallel):
     Whether a given tensor is sharded is the ILP's decision; read it from `get_plan()`.
     """
 
-    def options(self) -> IntraOptions:
-        cost = CostModel(flops_per_second=FLOPS_PER_SECOND, memory_price=0.5 * BETA_S_PER_BYTE)
+    def options(self, costs: DeviceCosts) -> IntraOptions:
+        cost = CostModel(flops_per_second=costs.flops_per_second, memory_price=0.5 * costs.beta)
         return IntraOptions(cost=cost, force_batch_dim_to_mesh_dim=0)
 
 
@@ -116,8 +118,8 @@ class Zero3Parallel(DataParallel):
     Inputs with no dim that the mesh can split (scalars, tiny vectors) stay replicated.
     """
 
-    def options(self) -> IntraOptions:
-        cost = CostModel(flops_per_second=FLOPS_PER_SECOND, memory_price=10 * BETA_S_PER_BYTE)
+    def options(self, costs: DeviceCosts) -> IntraOptions:
+        cost = CostModel(flops_per_second=costs.flops_per_second, memory_price=10 * costs.beta)
         return IntraOptions(cost=cost, force_batch_dim_to_mesh_dim=0, allow_replicated_parameters=False)
 
 
@@ -129,8 +131,9 @@ class TensorParallel:
     def mesh(self, num_devices: int) -> tuple[int, ...]:
         return (num_devices,)
 
-    def options(self) -> IntraOptions:
-        return IntraOptions(cost=CostModel(flops_per_second=FLOPS_PER_SECOND), allow_replicated_parameters=False)
+    def options(self, costs: DeviceCosts) -> IntraOptions:
+        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second),
+                            allow_replicated_parameters=False)
 
     @property
     def forces_batch(self) -> bool:
@@ -165,13 +168,15 @@ class ParallelizedFunction:
     """
 
     def __init__(self, fn: Callable[..., Any], method: Method, devices: Sequence[Any] | None,
-                 batch_argnums: tuple[int, ...], donate_argnums: tuple[int, ...] | str = ()) -> None:
+                 batch_argnums: tuple[int, ...], donate_argnums: tuple[int, ...] | str = (),
+                 costs: DeviceCosts | None = None) -> None:
         if not isinstance(method, _METHODS):
             raise OptionsError(
                 f"parallelize(method={method!r}): unknown method; use ShardParallel(), DataParallel(), "
                 "Zero2Parallel(), Zero3Parallel(), TensorParallel() or PipeshardParallel(...)")
         self.fn, self.method, self.batch_argnums = fn, method, batch_argnums
         self.donate_argnums = donate_argnums
+        self.costs = costs or DeviceCosts()
         self.devices = None if devices is None else tuple(devices)
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
@@ -239,7 +244,8 @@ class ParallelizedFunction:
         captured = capture(self._ordered_fn(len(args)), *ordered, name=self.__name__)
         if self.method.forces_batch:
             captured = tag_batch_inputs(captured, self._num_batch_leaves(args))
-        mesh = local_mesh(shape)
+        self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
+        mesh = self.costs.mesh(shape)
         donation, plan = self._solve(captured, pair_donated(captured, self._donated_leaves(args, donated_args)), mesh)
         if self.donate_argnums != "auto":  # "auto" donates what can be donated, silently
             warn_not_donated(captured, donation, self.__name__, stacklevel=4)
@@ -258,7 +264,7 @@ class ParallelizedFunction:
         """Plan with the donated pairs as aliases. When that is infeasible, drop the pairs that
         share no layout and retry, and last plan without any pair (an error then is not the
         donation's)."""
-        options = self.method.options()
+        options = self.method.options(self.costs)
         solve = lambda d: solve_intra(alias_donated(captured, d).graph, mesh, options)  # noqa: E731
         try:
             return donation, solve(donation)
@@ -339,7 +345,7 @@ class ParallelizedFunction:
 
 def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None = None,
                 devices: Sequence[Any] | None = None, batch_argnums: Sequence[int] = (1,),
-                donate_argnums: Sequence[int] | str = ()) -> Any:
+                donate_argnums: Sequence[int] | str = (), cluster: Cluster | str | None = None) -> Any:
     """Make `fn` plan and run itself sharded over `devices`.
 
     Usable as `@parallelize` or `@parallelize(method=DataParallel())`.
@@ -355,6 +361,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
             paired with the first unpaired result of its shape and dtype (params -> new
             params); the plan gives both one layout. A donated leaf with no such result is
             not donated (UnusedDonationWarning, except under "auto"). Default (): none.
+        cluster: plan with measured costs instead of placeholders: a Cluster, or the path of
+            a file written by `meshplan profile-cluster` on these devices (intra- and
+            inter-node collective latency and bandwidth, matmul FLOP/s; see DeviceCosts).
 
     Returns:
         A ParallelizedFunction, or a decorator making one when `fn` is None.
@@ -362,6 +371,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
     method = ShardParallel() if method is None else method
     argnums = tuple(batch_argnums)
     donated = _check_donate_argnums(donate_argnums)
+    costs = DeviceCosts() if cluster is None else DeviceCosts.from_cluster(cluster)
 
     def wrap(f: Callable[..., Any]) -> ParallelizedFunction | PipeshardFunction:
         if isinstance(method, PipeshardParallel):  # a loss fn with boundaries: pipelined (loss, grads)
@@ -369,8 +379,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
                 raise OptionsError(f"parallelize(method=PipeshardParallel(...), donate_argnums={donated!r}): "
                                    "a pipelined loss function returns (loss, grads), no updated state that could "
                                    "reuse its arguments' buffers; drop donate_argnums")
-            return PipeshardFunction(f, method, devices)
-        return ParallelizedFunction(f, method, devices, argnums, donated)
+            return PipeshardFunction(f, method, devices, costs)
+        return ParallelizedFunction(f, method, devices, argnums, donated, costs)
 
     return wrap if fn is None else wrap(fn)
 

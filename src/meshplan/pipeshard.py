@@ -27,7 +27,7 @@ from meshplan.errors import MeshError, OptionsError
 from meshplan.files import write_json_atomic, write_text_atomic
 from meshplan.intra.options import IntraOptions
 from meshplan.runtime.boundary import split_into_stages
-from meshplan.runtime.defaults import FLOPS_PER_SECOND, default_mesh_shape, local_mesh
+from meshplan.runtime.defaults import DeviceCosts, default_mesh_shape
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
 from meshplan.runtime.pipeline import SCHEDULES, Event, Pipeline, apply_update, run_pipeline
 from meshplan.runtime.sharded import axis_names
@@ -108,9 +108,9 @@ class PipeshardParallel:
             object.__setattr__(self, "stages", tuple(s if isinstance(s, PipeshardStage) else tuple(int(i) for i in s)
                                                      for s in self.stages))
 
-    def intra_options(self) -> IntraOptions:
-        """The ILP options stages are planned with (the runtime's placeholder costs)."""
-        return IntraOptions(cost=CostModel(flops_per_second=FLOPS_PER_SECOND))
+    def intra_options(self, costs: DeviceCosts) -> IntraOptions:
+        """The ILP options stages are planned with."""
+        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second))
 
 
 def stage_assignments(method: PipeshardParallel, num_layers: int, num_devices: int) -> tuple[StageAssignment, ...]:
@@ -225,8 +225,10 @@ class _Compiled:
 class PipeshardFunction:
     """`loss_fn` run as a pipeline; call `f(params, x, targets) -> (loss, grads)`."""
 
-    def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None) -> None:
+    def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
+                 costs: DeviceCosts | None = None) -> None:
         self.fn, self.method = fn, method
+        self.costs = costs or DeviceCosts()
         self.devices = None if devices is None else tuple(devices)
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
@@ -296,13 +298,14 @@ class PipeshardFunction:
     def _build(self, params: Sequence[Any], x: Any, targets: Any) -> _Compiled:
         method = self.method
         devices = list(self.devices) if self.devices is not None else jax.devices()
+        self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
         micro_x, micro_t = (_micro_example(t, name, method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
         layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
         search = None
         if method.stages == "auto":
             search = search_stages(layer_fns, [_shapes(p) for p in params], micro_x, micro_t, len(devices),
-                                   method.num_micro_batches, method.intra_options())
+                                   method.num_micro_batches, method.intra_options(self.costs), self.costs)
             stages = search.stages
         else:
             stages = stage_assignments(method, len(params), len(devices))
@@ -323,7 +326,8 @@ class PipeshardFunction:
         last, layouts, act = len(stage_fns) - 1, [], _shapes(x)
         for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
             if self.method.stage_sharding == "auto":
-                layouts.append(planned_layout(fn, mesh, local_mesh(stage.mesh_shape), self.method.intra_options(),
+                logical = self.costs.mesh(stage.mesh_shape, stage.devices)
+                layouts.append(planned_layout(fn, mesh, logical, self.method.intra_options(self.costs),
                                               stage_params[k], act, _shapes(targets) if k == last else None,
                                               differentiate_input=k > 0, name=f"{self.__name__}.stage{k}"))
             else:

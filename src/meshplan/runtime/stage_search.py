@@ -21,7 +21,7 @@ import numpy as np
 from meshplan.errors import MeshError
 from meshplan.inter.stage_dp import plan_stages
 from meshplan.intra.options import IntraOptions
-from meshplan.runtime.defaults import ALPHA_S, BETA_S_PER_BYTE, local_mesh
+from meshplan.runtime.defaults import DeviceCosts
 from meshplan.runtime.stage_layout import plan_stage
 
 
@@ -63,7 +63,8 @@ def logical_shapes(size: int) -> tuple[tuple[int, ...], ...]:
 
 
 def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any, targets: Any,
-                  num_devices: int, num_micro_batches: int, options: IntraOptions) -> StageSearch:
+                  num_devices: int, num_micro_batches: int, options: IntraOptions,
+                  costs: DeviceCosts | None = None) -> StageSearch:
     """Best stages for `layer_fns` on `num_devices` devices with `num_micro_batches` micro-batches.
 
     Args:
@@ -73,23 +74,28 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
         num_devices: devices the stages must use, all of them.
         num_micro_batches: micro-batches per step (the DP's B).
         options: the intra-op ILP's options.
+        costs: collective costs of the devices (sub-meshes are priced as if they started at a
+            node boundary; hand-offs on the inter-node link); default the placeholders.
 
     Raises:
         MeshError: no assignment uses every device (cannot happen with >= 1 layer; kept as a guard).
     """
+    costs = costs or DeviceCosts()
     num_layers = len(layer_fns)
     acts = _activations(layer_fns, layer_params, x)
     planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]] = {}  # identical layers: once
-    costs = tuple(_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, planned)
-                  for k in range(num_layers))
+    layer_costs = tuple(_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, costs,
+                                     planned) for k in range(num_layers))
     sizes = submesh_sizes(num_devices)
     latency = np.full((num_layers, num_layers, len(sizes), num_layers + 1), np.inf)
     best_shape: dict[tuple[int, int, int], tuple[int, ...]] = {}
     for first in range(num_layers):
         for last in range(first, num_layers):
-            handoff = 0.0 if last == num_layers - 1 else 2 * (ALPHA_S + _bytes(acts[last + 1]) * BETA_S_PER_BYTE)
+            handoff = 0.0 if last == num_layers - 1 else \
+                2 * (costs.inter_alpha + _bytes(acts[last + 1]) * costs.inter_beta)
             for m, size in enumerate(sizes):
-                totals = {shape: sum(costs[j][shape] for j in range(first, last + 1)) for shape in logical_shapes(size)}
+                totals = {shape: sum(layer_costs[j][shape] for j in range(first, last + 1))
+                          for shape in logical_shapes(size)}
                 shape = min(totals, key=totals.get)
                 best_shape[first, last, m] = shape
                 latency[first, last, m, 1:] = totals[shape] + handoff
@@ -102,7 +108,7 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
         stages.append(StageAssignment(slot.first, slot.last, tuple(range(start, start + size)),
                                       best_shape[slot.first, slot.last, slot.submesh]))
         start += size
-    return StageSearch(tuple(stages), found.total, tuple(s.latency for s in found.stages), costs)
+    return StageSearch(tuple(stages), found.total, tuple(s.latency for s in found.stages), layer_costs)
 
 
 def _activations(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any) -> list[Any]:
@@ -114,7 +120,7 @@ def _activations(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
 
 
 def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], acts: list[Any],
-                 targets: Any, k: int, num_devices: int, options: IntraOptions,
+                 targets: Any, k: int, num_devices: int, options: IntraOptions, costs: DeviceCosts,
                  planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]]) -> dict[tuple[int, ...], float]:
     """Layer k's planned cost per logical shape, from `planned` when an identical layer was planned."""
     last = k == len(layer_fns) - 1
@@ -122,14 +128,14 @@ def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
     key = (str(jax.make_jaxpr(layer_fns[k])(params, acts[k], *(() if t is None else (t,)))), k == 0, last)
     if key in planned:
         return planned[key]
-    costs = {}
+    by_shape = {}
     for size in submesh_sizes(num_devices):
         for shape in logical_shapes(size):
-            plan = plan_stage(layer_fns[k], local_mesh(shape), options, params, acts[k], t,
+            plan = plan_stage(layer_fns[k], costs.mesh(shape), options, params, acts[k], t,
                               differentiate_input=k > 0, name=f"layer{k}")[2]
-            costs[shape] = plan.objective
-    planned[key] = costs
-    return costs
+            by_shape[shape] = plan.objective
+    planned[key] = by_shape
+    return by_shape
 
 
 def _bytes(tree: Any) -> float:
