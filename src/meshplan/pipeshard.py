@@ -297,6 +297,10 @@ class PipeshardFunction:
 
     def _build(self, params: Sequence[Any], x: Any, targets: Any) -> _Compiled:
         method = self.method
+        if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
+            raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
+                               f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
+                               f"Zero2Parallel, Zero3Parallel or TensorParallel across processes")
         devices = list(self.devices) if self.devices is not None else jax.devices()
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
         micro_x, micro_t = (_micro_example(t, name, method.num_micro_batches)
