@@ -11,6 +11,8 @@ is below that noise (one of the GPT's is -5e-9) takes a step of +-lr with a rand
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,9 @@ import pytest
 
 from jax_models import transformer_args, transformer_block
 from meshplan.api import parallelize
+from meshplan.cluster import Cluster
+from meshplan.cluster.devices import DeviceSpec
+from meshplan.errors import MeshError
 from meshplan.inter.stage_dp import pipeline_latency
 from meshplan.pipeshard import PipeshardParallel, PipeshardStage
 from meshplan.report.pipeshard_text import pipeshard_text
@@ -250,3 +255,28 @@ def test_search_picks_the_best_predicted_pipeline():
     assert f"predicted step latency {search.latency * 1e3:.3f} ms" in text
     assert text.count("\nstage ") == len(search.stages) and "stage 0: layer(s) 0" in text
     assert "args[0][0]['w1']" in text and " grad " in text  # every stage lists its params' layouts
+
+
+def memory_cluster(memory_bytes):
+    """8 local devices in one node with the placeholder link costs and `memory_bytes` each."""
+    return Cluster(1, 8, DeviceSpec("small", 1e11, memory_bytes, 1e9, 1e-5, 1e9, 1e-5))
+
+
+def test_search_keeps_every_stage_within_the_memory_per_device():
+    """Layer 1 holds 8 MB of weights and 8 MB of gradients: on a 10 MB device it cannot sit
+    whole on one device, so the search gives it a sub-mesh whose plan splits it, and every
+    stage's plan stays within 10 MB."""
+    params, x, y = wide_mlp(width=1024)
+    budget = 10e6
+    f = parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"), cluster=memory_cluster(budget))
+    loss, _ = f(params, x, y)
+    np.testing.assert_allclose(float(loss), float(jax.jit(wide_mlp_loss)(params, x, y)), **TOL)
+    plan = f.get_plan()
+    assert all(layout.plan.peak_memory <= budget for layout in plan.layouts)
+    assert all(layout.plan.mesh.memory_per_device == budget for layout in plan.layouts)
+    holder = next(s for s in plan.stages if s.first <= 1 <= s.last)
+    assert len(holder.devices) > 1
+    assert math.isinf(plan.search.layer_costs[1][(1,)])  # whole on one device does not fit
+    with pytest.raises(MeshError, match=r"no pipeline of the 2 layers on 8 devices fits in 0.001 GB per device"):
+        parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"), cluster=memory_cluster(1e6))(
+            params, x, y)

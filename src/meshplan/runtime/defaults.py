@@ -32,8 +32,9 @@ def default_mesh_shape(num_devices: int) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class DeviceCosts:
     """Collective latency (s) and time per byte (s/byte) inside and between nodes, FLOP/s per
-    device, how many consecutive devices share a node (None: all of them) and, when the costs
-    were measured, on how many devices (plans for another count are refused)."""
+    device, how many consecutive devices share a node (None: all of them), bytes per device
+    plans must fit in (None: unlimited) and, when the costs were measured, on how many devices
+    (plans for another count are refused)."""
 
     intra_alpha: float = ALPHA_S
     intra_beta: float = BETA_S_PER_BYTE
@@ -42,6 +43,7 @@ class DeviceCosts:
     flops_per_second: float = FLOPS_PER_SECOND
     devices_per_node: int | None = None
     num_devices: int | None = None
+    memory_bytes: float | None = None
 
     @classmethod
     def from_cluster(cls, cluster: Cluster | str) -> DeviceCosts:
@@ -54,7 +56,7 @@ class DeviceCosts:
         cluster = load_cluster_file(cluster) if isinstance(cluster, str) else cluster
         d = cluster.device
         return cls(d.intra_latency, 1 / d.intra_bandwidth, d.inter_latency, 1 / d.inter_bandwidth, d.peak_flops,
-                   cluster.devices_per_node, cluster.num_devices)
+                   cluster.devices_per_node, cluster.num_devices, d.memory_bytes)
 
     def check_devices(self, count: int, where: str) -> None:
         """Raise MeshError when the costs were measured on another number of devices."""
@@ -70,10 +72,10 @@ class DeviceCosts:
     def mesh(self, shape: tuple[int, ...], devices: Sequence[int] | None = None) -> LogicalMesh:
         """The logical mesh of `shape` over `devices` (indices into the device list, row-major;
         default 0, 1, ...): an axis whose steps stay inside one node gets the intra-node costs,
-        any other the inter-node costs."""
+        any other the inter-node costs. Its memory per device is `memory_bytes`."""
         ids = np.arange(math.prod(shape)) if devices is None else np.asarray(devices)
         ids = ids.reshape(shape)
         nodes = ids // (self.devices_per_node or int(ids.max()) + 1)
         inside = [bool(np.all(nodes == nodes.take([0], axis=k))) for k in range(len(shape))]
         return LogicalMesh(shape, tuple(self.intra_alpha if i else self.inter_alpha for i in inside),
-                           tuple(self.intra_beta if i else self.inter_beta for i in inside))
+                           tuple(self.intra_beta if i else self.inter_beta for i in inside), self.memory_bytes)

@@ -5,7 +5,10 @@ forward + backward is planned by the intra-op ILP on every logical mesh a sub-me
 candidate sizes can form; a range of layers on a sub-mesh costs the sum of its layers' plan
 objectives on the best common logical shape plus the activation hand-off, and the stage DP
 (meshplan.inter.stage_dp, Alpa §5) picks the stages minimising the 1F1B latency with every
-device used. Identical layers (same jaxpr, same shapes) are planned once.
+device used. Identical layers (same jaxpr, same shapes) are planned once. With a memory per
+device (DeviceCosts.memory_bytes) each layer is planned within it, and a range whose layers'
+peak memories add up to more is not a candidate (one micro-batch in flight: the 1F1B extra
+in-flight activations are not counted).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshplan.errors import MeshError
+from meshplan.errors import InfeasiblePlanError, MeshError
 from meshplan.inter.stage_dp import plan_stages
 from meshplan.intra.options import IntraOptions
 from meshplan.runtime.defaults import DeviceCosts
@@ -43,7 +46,8 @@ class StageSearch:
         stages: the stages in pipeline order.
         latency: the predicted pipeline latency of one step (seconds, cost-model units).
         stage_latencies: per stage, the predicted time of one micro-batch's forward + backward.
-        layer_costs: per layer, {logical mesh shape: planned cost of one micro-batch}.
+        layer_costs: per layer, {logical mesh shape: planned cost of one micro-batch} (inf: the
+            layer does not fit in the memory per device on that mesh).
     """
 
     stages: tuple[StageAssignment, ...]
@@ -78,14 +82,16 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
             node boundary; hand-offs on the inter-node link); default the placeholders.
 
     Raises:
-        MeshError: no assignment uses every device (cannot happen with >= 1 layer; kept as a guard).
+        MeshError: no assignment of stages fits in the memory per device.
     """
     costs = costs or DeviceCosts()
     num_layers = len(layer_fns)
     acts = _activations(layer_fns, layer_params, x)
-    planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]] = {}  # identical layers: once
-    layer_costs = tuple(_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, costs,
-                                     planned) for k in range(num_layers))
+    planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], tuple[float, float]]] = {}  # identical: once
+    layer_plans = [_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, costs, planned)
+                   for k in range(num_layers)]
+    layer_costs = tuple({shape: cost for shape, (cost, _) in plans.items()} for plans in layer_plans)
+    budget = math.inf if costs.memory_bytes is None else costs.memory_bytes
     sizes = submesh_sizes(num_devices)
     latency = np.full((num_layers, num_layers, len(sizes), num_layers + 1), np.inf)
     best_shape: dict[tuple[int, int, int], tuple[int, ...]] = {}
@@ -95,13 +101,16 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
                 2 * (costs.inter_alpha + _bytes(acts[last + 1]) * costs.inter_beta)
             for m, size in enumerate(sizes):
                 totals = {shape: sum(layer_costs[j][shape] for j in range(first, last + 1))
+                          if sum(layer_plans[j][shape][1] for j in range(first, last + 1)) <= budget else math.inf
                           for shape in logical_shapes(size)}
                 shape = min(totals, key=totals.get)
                 best_shape[first, last, m] = shape
                 latency[first, last, m, 1:] = totals[shape] + handoff
     found = plan_stages(latency, sizes, num_devices, num_micro_batches)
     if found is None:
-        raise MeshError(f"no pipeline of {num_layers} layers uses all {num_devices} devices")
+        raise MeshError(f"no pipeline of the {num_layers} layers on {num_devices} devices fits in "
+                        f"{budget / 1e9:.3g} GB per device (the cluster's memory); give the devices more memory, "
+                        f"use smaller micro-batches (more num_micro_batches) or split the model into more layers")
     stages, start = [], 0
     for slot in found.stages:
         size = sizes[slot.submesh]
@@ -121,8 +130,10 @@ def _activations(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
 
 def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], acts: list[Any],
                  targets: Any, k: int, num_devices: int, options: IntraOptions, costs: DeviceCosts,
-                 planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], float]]) -> dict[tuple[int, ...], float]:
-    """Layer k's planned cost per logical shape, from `planned` when an identical layer was planned."""
+                 planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], tuple[float, float]]],
+                 ) -> dict[tuple[int, ...], tuple[float, float]]:
+    """Layer k's planned (cost, peak memory) per logical shape, (inf, inf) where it does not fit;
+    from `planned` when an identical layer was planned."""
     last = k == len(layer_fns) - 1
     params, t = _shapes(layer_params[k]), _shapes(targets) if last else None
     key = (str(jax.make_jaxpr(layer_fns[k])(params, acts[k], *(() if t is None else (t,)))), k == 0, last)
@@ -131,9 +142,13 @@ def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
     by_shape = {}
     for size in submesh_sizes(num_devices):
         for shape in logical_shapes(size):
-            plan = plan_stage(layer_fns[k], costs.mesh(shape), options, params, acts[k], t,
-                              differentiate_input=k > 0, name=f"layer{k}")[2]
-            by_shape[shape] = plan.objective
+            try:
+                plan = plan_stage(layer_fns[k], costs.mesh(shape), options, params, acts[k], t,
+                                  differentiate_input=k > 0, name=f"layer{k}")[2]
+            except InfeasiblePlanError:
+                by_shape[shape] = (math.inf, math.inf)
+                continue
+            by_shape[shape] = (plan.objective, plan.peak_memory)
     planned[key] = by_shape
     return by_shape
 
