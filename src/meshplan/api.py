@@ -33,6 +33,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
 from meshplan.pipeshard import PipeshardFunction, PipeshardParallel
+from meshplan.runtime.abstract import shapes_of, signature
 from meshplan.runtime.defaults import DeviceCosts, default_mesh_shape
 from meshplan.runtime.diagnostics import CompileDiagnostics, warn_if_rematerialized
 from meshplan.runtime.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
@@ -229,7 +230,7 @@ class ParallelizedFunction:
         return self._last
 
     def _compiled(self, args: tuple[Any, ...]) -> _Compiled:
-        key = _signature(args)
+        key = signature(args)
         if key not in self._cache:
             self._cache[key] = self._plan(args)
         self._last = self._cache[key]
@@ -251,7 +252,7 @@ class ParallelizedFunction:
             warn_not_donated(captured, donation, self.__name__, stacklevel=4)
         captured = alias_donated(captured, donation)
         jax_mesh = make_jax_mesh(mesh, devices if self.devices else None)
-        example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jax.numpy.shape(a), _dtype(a)), ordered)
+        example = shapes_of(ordered)
         sharded, diagnostics = execute_sharded(captured, plan, jax_mesh, donation.donated).compile(*example)
         warn_if_rematerialized(diagnostics, f"{self.__name__} on mesh {mesh.name}", stacklevel=4)
         specs = [NamedSharding(jax_mesh, partition_spec(placeable_spec(plan.strategy(n).output,
@@ -425,15 +426,6 @@ def _diagnostics(compiled: _Compiled) -> dict[str, Any]:
     not_donated += [{"argument": graph[captured.input_nodes[a]].name, "reason": "no common layout with its result"}
                     for a in compiled.donation.unplaceable]
     return {**compiled.diagnostics.to_dict(), "donated": donated, "not_donated": not_donated}
-
-
-def _signature(args: tuple[Any, ...]) -> Any:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(jax.numpy.shape(x)), str(_dtype(x))) for x in leaves)
-
-
-def _dtype(x: Any) -> Any:
-    return x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
 
 
 def _shardings_text(compiled: Any) -> str:

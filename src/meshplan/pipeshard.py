@@ -26,6 +26,7 @@ from meshplan.cost.model import CostModel
 from meshplan.errors import MeshError, OptionsError
 from meshplan.files import write_json_atomic, write_text_atomic
 from meshplan.intra.options import IntraOptions
+from meshplan.runtime.abstract import chain_inputs, shapes_of, signature
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.defaults import DeviceCosts, default_mesh_shape
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
@@ -290,7 +291,7 @@ class PipeshardFunction:
         if not isinstance(params, (list, tuple)) or not params:
             raise OptionsError(f"{self.__name__} was called with params of type {type(params).__name__}; "
                                f"PipeshardParallel needs a non-empty list with one params pytree per layer")
-        key = _signature((params, x, targets))
+        key = signature((params, x, targets))
         if key not in self._cache:
             self._cache[key] = self._build(params, x, targets)
         return self._cache[key]
@@ -308,7 +309,7 @@ class PipeshardFunction:
         layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
         search = None
         if method.stages == "auto":
-            search = search_stages(layer_fns, [_shapes(p) for p in params], micro_x, micro_t, len(devices),
+            search = search_stages(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, len(devices),
                                    method.num_micro_batches, method.intra_options(self.costs), self.costs)
             stages = search.stages
         else:
@@ -318,27 +319,27 @@ class PipeshardFunction:
         stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
         meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
                        axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
-        stage_params = [tuple(_shapes(p) for p in params[s.first:s.last + 1]) for s in stages]
-        layouts = self._layouts(stage_fns, meshes, stages, stage_params, micro_x, micro_t)
+        stage_params = [tuple(shapes_of(p) for p in params[s.first:s.last + 1]) for s in stages]
+        acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
+        layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
         pipeline = Pipeline(stage_fns, meshes, layouts=layouts)
         plan = PipeshardPlan(stages, method.schedule, method.num_micro_batches, method.stage_sharding,
                              layouts, search)
-        return _Compiled(pipeline, plan, _stage_examples(pipeline, stage_params, micro_x, micro_t))
+        return _Compiled(pipeline, plan, _stage_examples(pipeline, stage_params, acts, targets_shapes))
 
     def _layouts(self, stage_fns: list[Callable[..., Any]], meshes: list[Mesh], stages: Sequence[StageAssignment],
-                 stage_params: list[Any], x: Any, targets: Any) -> tuple[StageLayout, ...]:
-        last, layouts, act = len(stage_fns) - 1, [], _shapes(x)
+                 stage_params: list[Any], acts: list[Any], targets: Any) -> tuple[StageLayout, ...]:
+        """Each stage's layout; `acts[k]` is stage k's input (ShapeDtypeStructs)."""
+        last, layouts = len(stage_fns) - 1, []
         for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
             if self.method.stage_sharding == "auto":
                 logical = self.costs.mesh(stage.mesh_shape, stage.devices)
                 layouts.append(planned_layout(fn, mesh, logical, self.method.intra_options(self.costs),
-                                              stage_params[k], act, _shapes(targets) if k == last else None,
+                                              stage_params[k], acts[k], targets if k == last else None,
                                               differentiate_input=k > 0, name=f"{self.__name__}.stage{k}"))
             else:
                 default = data_parallel_layout if self.method.stage_sharding == "data_parallel" else replicated_layout
                 layouts.append(default(fn, mesh, k == last))
-            if k < last:
-                act = jax.eval_shape(fn, stage_params[k], act)
         return tuple(layouts)
 
 
@@ -364,16 +365,16 @@ def _check_data_parallel(stages: Sequence[StageAssignment], micro_batch: int, me
                 f"use a micro-batch size divisible by every stage's device count, or stage_sharding='auto'")
 
 
-def _stage_examples(pipeline: Pipeline, params: Sequence[Any], x: Any, targets: Any) -> tuple[tuple[Any, ...], ...]:
+def _stage_examples(pipeline: Pipeline, params: Sequence[Any], acts: Sequence[Any],
+                    targets: Any) -> tuple[tuple[Any, ...], ...]:
     """Per stage, ShapeDtypeStructs (placed as the stage's layout says) of its forward's arguments."""
-    examples, act = [], _shapes(x)
-    for k, fn in enumerate(pipeline.stage_fns):
+    examples = []
+    for k in range(pipeline.num_stages):
         last = k == pipeline.num_stages - 1
-        args = (params[k], act, *((_shapes(targets),) if last else ()))
+        args = (params[k], acts[k], *((targets,) if last else ()))
         shardings = (pipeline.sharding(k), pipeline.activation_sharding(k),
                      *((pipeline.targets_sharding(),) if last else ()))
         examples.append(tuple(_placed(a, where) for a, where in zip(args, shardings, strict=True)))
-        act = jax.eval_shape(fn, *args)
     return tuple(examples)
 
 
@@ -395,10 +396,3 @@ def _micro_example(tree: Any, name: str, count: int) -> Any:
     return jax.tree_util.tree_map(lambda a: a[:size], tree)
 
 
-def _shapes(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
-def _signature(args: Any) -> Any:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", None) or np.asarray(a).dtype)) for a in leaves)

@@ -24,6 +24,7 @@ import numpy as np
 from meshplan.errors import InfeasiblePlanError, MeshError
 from meshplan.inter.stage_dp import plan_stages
 from meshplan.intra.options import IntraOptions
+from meshplan.runtime.abstract import chain_inputs, shapes_of
 from meshplan.runtime.defaults import DeviceCosts
 from meshplan.runtime.stage_layout import plan_stage
 
@@ -86,7 +87,7 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
     """
     costs = costs or DeviceCosts()
     num_layers = len(layer_fns)
-    acts = _activations(layer_fns, layer_params, x)
+    acts = chain_inputs(layer_fns, layer_params, x)
     planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], tuple[float, float]]] = {}  # identical: once
     layer_plans = [_layer_costs(layer_fns, layer_params, acts, targets, k, num_devices, options, costs, planned)
                    for k in range(num_layers)]
@@ -120,14 +121,6 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
     return StageSearch(tuple(stages), found.total, tuple(s.latency for s in found.stages), layer_costs)
 
 
-def _activations(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any) -> list[Any]:
-    """acts[k]: ShapeDtypeStructs of layer k's input (acts[0] is x)."""
-    acts = [_shapes(x)]
-    for fn, params in zip(layer_fns[:-1], layer_params[:-1], strict=False):
-        acts.append(jax.eval_shape(fn, _shapes(params), acts[-1]))
-    return acts
-
-
 def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], acts: list[Any],
                  targets: Any, k: int, num_devices: int, options: IntraOptions, costs: DeviceCosts,
                  planned: dict[tuple[str, bool, bool], dict[tuple[int, ...], tuple[float, float]]],
@@ -135,7 +128,7 @@ def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
     """Layer k's planned (cost, peak memory) per logical shape, (inf, inf) where it does not fit;
     from `planned` when an identical layer was planned."""
     last = k == len(layer_fns) - 1
-    params, t = _shapes(layer_params[k]), _shapes(targets) if last else None
+    params, t = shapes_of(layer_params[k]), shapes_of(targets) if last else None
     key = (str(jax.make_jaxpr(layer_fns[k])(params, acts[k], *(() if t is None else (t,)))), k == 0, last)
     if key in planned:
         return planned[key]
@@ -155,7 +148,3 @@ def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
 
 def _bytes(tree: Any) -> float:
     return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree)))
-
-
-def _shapes(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

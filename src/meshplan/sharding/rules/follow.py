@@ -103,10 +103,7 @@ def reduce_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 
     def transform(spec: ShardingSpec):
         out = spec.reduce(dims)
-        axes = spec.reduced_axes(dims)
-        collectives = (ctx.collective(CollectiveKind.ALL_REDUCE, axes, ctx.local_bytes(node, out)),) \
-            if any(ctx.mesh.shape[a] > 1 for a in axes) else ()
-        return out, (spec,), collectives
+        return out, (spec,), _partial_sums(node, ctx, out, spec.reduced_axes(dims))
 
     return follow(node, ctx, 0, transform)
 
