@@ -23,8 +23,10 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from meshplan.api import parallelize  # noqa: E402
-from meshplan.pipeshard import PipeshardParallel  # noqa: E402
+from meshplan.parallel import (
+    PipeshardParallel,  # noqa: E402
+    parallelize,  # noqa: E402
+)
 
 from common import save  # noqa: E402
 
@@ -52,11 +54,11 @@ def run(name: str, method: PipeshardParallel, steps: int = 12) -> dict:
         times.append(time.perf_counter() - start)
     plan = step.get_plan()
     return {"name": name, "first_step_s": times[0], "median_step_s": statistics.median(times[2:]),
-            "loss": float(loss), "stages": [{"layers": [s.first, s.last], "devices": len(s.devices),
-                                             "mesh_shape": list(s.mesh_shape)} for s in plan.stages],
-            "predicted_latency_s": None if plan.search is None else plan.search.latency,
-            "planned_stage_costs_s": [None if layout.plan is None else layout.plan.objective
-                                      for layout in plan.layouts]}
+            "loss": float(loss), "stages": [{"layers": [s.first_layer, s.last_layer], "devices": len(s.devices),
+                                             "mesh_shape": list(s.logical_mesh)} for s in plan.stages],
+            "predicted_latency_s": None if plan.prediction is None else plan.prediction.pipeline_time_s,
+            "planned_stage_costs_s": [None if s.intra_plan is None else s.intra_plan.objective
+                                      for s in plan.stages]}
 
 
 def main() -> None:

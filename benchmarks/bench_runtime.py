@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from meshplan.api import DataParallel, ShardParallel, TensorParallel, parallelize  # noqa: E402
+from meshplan.parallel import DataParallel, ShardParallel, TensorParallel, parallelize  # noqa: E402
 
 from common import save  # noqa: E402
 

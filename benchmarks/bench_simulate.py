@@ -11,9 +11,8 @@ import time
 import warnings
 
 from meshplan.cluster import Cluster, get_device
-from meshplan.inter.planner import PlannerOptions, TrainingJob
 from meshplan.models.transformer import PRESETS
-from meshplan.simulate import simulate
+from meshplan.simulator import PlannerOptions, TrainingJob, simulate
 
 from common import save
 

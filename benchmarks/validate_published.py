@@ -17,9 +17,9 @@ import time
 import warnings
 
 from meshplan.cluster import Cluster, device_from_overrides, get_device
-from meshplan.inter.baselines import evaluate_configuration
-from meshplan.inter.planner import PlannerOptions, TrainingJob
 from meshplan.models.transformer import TransformerConfig
+from meshplan.simulator import PlannerOptions, TrainingJob
+from meshplan.simulator.baselines import evaluate_configuration
 
 from common import save
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from meshplan.api import (  # noqa: E402
+from meshplan.parallel import (  # noqa: E402
     DataParallel,
     ShardParallel,
     TensorParallel,

@@ -16,7 +16,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from meshplan.api import ShardParallel, parallelize  # noqa: E402
+from meshplan.parallel import ShardParallel, parallelize  # noqa: E402
 
 LEARNING_RATE = 0.1
 

@@ -27,8 +27,10 @@ from gpt import block as gpt_block  # noqa: E402  (examples/gpt.py, beside this 
 from gpt import layer_norm  # noqa: E402
 
 from meshplan import mark_pipeline_boundary  # noqa: E402
-from meshplan.api import parallelize  # noqa: E402
-from meshplan.pipeshard import PipeshardParallel  # noqa: E402
+from meshplan.parallel import (
+    PipeshardParallel,  # noqa: E402
+    parallelize,  # noqa: E402
+)
 from meshplan.report.pipeshard_text import pipeshard_text  # noqa: E402
 
 VOCAB, SEQ, HIDDEN, HEADS, BLOCKS, BATCH = 128, 32, 64, 4, 4, 16

@@ -18,9 +18,13 @@ import jax  # noqa: E402
 
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
-from meshplan.api import DataParallel, ShardParallel, parallelize  # noqa: E402
 from meshplan.errors import MeshplanError  # noqa: E402
-from meshplan.pipeshard import PipeshardParallel  # noqa: E402
+from meshplan.parallel import (  # noqa: E402
+    DataParallel,
+    PipeshardParallel,
+    ShardParallel,
+    parallelize,
+)
 from multihost_step import STEPS, make_data, pipelined_loss, step  # noqa: E402
 
 state, x, y = make_data()

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 
 from jax_models import transformer_args, transformer_block
-from meshplan import IntraPlan, MeshError, OptionsError
-from meshplan import api as api_module
-from meshplan.api import (
+from meshplan import IntraPlan, MeshError, OptionsError, Plan
+from meshplan.capture import UnsupportedPrimitiveWarning
+from meshplan.cluster.costs import default_mesh_shape
+from meshplan.parallel import (
     DataParallel,
     ParallelizedFunction,
     ShardParallel,
     Zero2Parallel,
     Zero3Parallel,
-    default_mesh_shape,
     parallelize,
 )
-from meshplan.capture import UnsupportedPrimitiveWarning
+from meshplan.parallel import spmd as api_module
 
 # Training steps in plain JAX: `step(state, batch) -> (state, loss)`, small float32 sizes.
 LR = 0.05
@@ -274,8 +274,9 @@ def test_dump_debug_info_writes_every_file(tmp_path):
     assert {p.name for p in paths} == names
     assert {p.name for p in (tmp_path / "debug").iterdir()} == names  # no temporary files left
     assert all(p.stat().st_size > 0 for p in paths)
-    plan = json.loads((tmp_path / "debug" / "plan.json").read_text())
-    assert plan["graph"] == "step" and plan["mesh"]["shape"] == [2, 4]
+    plan = Plan.from_json((tmp_path / "debug" / "plan.json").read_text())  # the one Plan schema
+    assert plan.source == "parallelize" and plan.model == "step" and plan.option("method") == "ShardParallel"
+    assert plan.stages[0].intra_plan == parallel.get_plan() and plan.stages[0].logical_mesh == (2, 4)
     assert (tmp_path / "debug" / "hlo.txt").read_text().startswith("HloModule")
     assert "flops" in json.loads((tmp_path / "debug" / "cost.json").read_text())
     shardings = (tmp_path / "debug" / "shardings.txt").read_text().splitlines()

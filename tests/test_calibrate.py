@@ -10,10 +10,10 @@ import pytest
 
 from meshplan import MeshError
 from meshplan.cluster import Cluster, load_cluster_file
+from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.devices import DeviceSpec
 from meshplan.files import write_json_atomic
 from meshplan.runtime.calibrate import fit_alpha_beta, profile_cluster
-from meshplan.runtime.defaults import DeviceCosts
 
 
 def test_fit_recovers_alpha_beta():
@@ -75,7 +75,7 @@ def test_parallelize_plans_with_a_cluster_file(tmp_path):
     import jax.numpy as jnp
     import numpy as np
 
-    from meshplan.api import parallelize
+    from meshplan.parallel import parallelize
 
     path = tmp_path / "cluster.json"
     cluster = two_node_cluster()
@@ -100,8 +100,7 @@ def test_pipeshard_stages_plan_on_their_links():
     import jax
     import jax.numpy as jnp
 
-    from meshplan.api import parallelize
-    from meshplan.pipeshard import PipeshardParallel, PipeshardStage
+    from meshplan.parallel import PipeshardParallel, PipeshardStage, parallelize
     from meshplan.runtime import mark_pipeline_boundary
 
     def loss(params, x, y):
@@ -113,5 +112,5 @@ def test_pipeshard_stages_plan_on_their_links():
     stages = (PipeshardStage((0, 0), (0, 1, 4, 5), (2, 2)), PipeshardStage((1, 1), (2, 3, 6, 7), (2, 2)))
     f = parallelize(loss, method=PipeshardParallel(2, stages=stages), cluster=two_node_cluster())
     f(params, x, y)
-    for layout in f.get_plan().layouts:  # each stage spans both nodes along axis 0 only
-        assert layout.plan.mesh.alpha == (INTER[0], INTRA[0])
+    for stage in f.get_plan().stages:  # each stage spans both nodes along axis 0 only
+        assert stage.intra_plan.mesh.alpha == (INTER[0], INTRA[0])

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from meshplan.plan import Plan
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshplan.cli", *args], capture_output=True, text=True,
@@ -26,9 +28,11 @@ def test_intra_json_and_out_file(tmp_path):
                  "--out", str(out), "--compare-sharing")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["solver"]["status"] == "optimal"
-    assert data["sharing"]["difference"] >= -1e-9  # sharing can only constrain
+    assert data["source"] == "intra" and len(data["stages"]) == 1
+    assert data["stages"][0]["intra_plan"]["solver"]["status"] == "optimal"
+    assert data["metrics"]["sharing.difference"] >= -1e-9  # sharing can only constrain
     assert json.loads(out.read_text()) == data
+    assert Plan.from_dict(data).to_dict() == data
 
 
 def test_dump_lp(tmp_path):

@@ -22,9 +22,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_models import mlp_args, mlp_step
 from meshplan import CostModel, IntraOptions, LogicalMesh, ShardingSpec, solve_intra
-from meshplan import api as api_module
-from meshplan.api import ShardParallel, parallelize
 from meshplan.capture import capture
+from meshplan.parallel import ShardParallel, parallelize
+from meshplan.parallel import spmd as api_module
 from meshplan.runtime import diagnostics
 from meshplan.runtime.diagnostics import (
     REMAT_MARKER,

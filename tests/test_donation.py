@@ -1,4 +1,4 @@
-"""runtime.donation and parallelize(donate_argnums=...): donated buffers reused on 8 CPU devices.
+"""parallel.donation and parallelize(donate_argnums=...): donated buffers reused on 8 CPU devices.
 
 Measured on JAX 0.10.2, CPU backend: donation is real. The compiled HLO carries
 `input_output_alias`, donated arrays are deleted by the call, and each new parameter shard
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from meshplan import IntraOptions, OptionsError
-from meshplan.api import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
 from meshplan.capture import capture
-from meshplan.runtime import donation as donation_module
-from meshplan.runtime.defaults import DeviceCosts
-from meshplan.runtime.donation import Donation, UnusedDonationWarning, drop_unplaceable, pair_donated
+from meshplan.cluster.costs import DeviceCosts
+from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
+from meshplan.parallel import donation as donation_module
+from meshplan.parallel.donation import Donation, UnusedDonationWarning, drop_unplaceable, pair_donated
 from test_api import mlp_adam_program, train
 
 
@@ -40,7 +40,8 @@ def test_dropping_an_unplaceable_argument_pairs_the_rest_as_jit_will(monkeypatch
     """Once argument 0 is not donated, jit gives its result to argument 1: plan that pair."""
     captured = capture(lambda a, b: (a * 2, b + 1), jnp.ones((8, 8)), jnp.ones((8, 8)))
     first_pair = (captured.input_nodes[0], captured.output_nodes[0])
-    monkeypatch.setattr(donation_module, "can_share", lambda sg, p, r: (p, r) != first_pair)
+    monkeypatch.setattr(donation_module, "unshareable_pairs",
+                        lambda graph, mesh, options, pairs: {pair for pair in pairs if pair == first_pair})
     donation = pair_donated(captured, [0, 1])
     assert donation == Donation(pairs=((0, 0), (1, 1)))
     assert drop_unplaceable(captured, donation, DeviceCosts().mesh((8,)), IntraOptions()) == Donation(
@@ -67,7 +68,7 @@ def test_donated_training_step_reuses_buffers_and_matches(method):
         new_state, _ = parallel(state, batch)
     last = parallel._last
     leaves = len(jax.tree_util.tree_leaves(state))  # params, m, v (3 each) and t: 10
-    first_state_leaf = 2 if method.forces_batch else 0  # DataParallel takes the batch (x, y) first
+    first_state_leaf = 2 if method.splits_batch else 0  # DataParallel takes the batch (x, y) first
     assert [a for a, _ in last.donation.pairs] == list(range(first_state_leaf, first_state_leaf + leaves))
     assert [r for _, r in last.donation.pairs] == list(range(leaves))  # new state, leaf for leaf
     assert alias_table(last.sharded.executable.as_text()) == sorted(last.donation.pairs)

@@ -8,12 +8,11 @@ import pytest
 
 from meshplan.cluster import Cluster, get_device
 from meshplan.cost import CollectiveKind
-from meshplan.inter.planner import PlannerOptions, TrainingJob
-from meshplan.inter.profile import profile_piece
 from meshplan.ir import OpKind
 from meshplan.models.training import block_training_graph
 from meshplan.models.transformer import PRESETS
-from meshplan.simulate import simulate
+from meshplan.simulator import PlannerOptions, TrainingJob, simulate
+from meshplan.simulator.pricing import profile_piece
 
 
 def test_moe_experts_are_split_and_dispatch_is_all_to_all():
@@ -39,5 +38,5 @@ def test_small_models_simulate(model):
     cfg = PRESETS[model].replace(layers=2)
     sim = simulate(TrainingJob(cfg, 8, 128), Cluster(1, 4, get_device("a100-40gb")),
                    PlannerOptions(workers=1, microbatch_sizes=(4,)), baselines=False)
-    assert sum(s.devices for s in sim.plan.stages) == 4
+    assert sum(s.num_devices for s in sim.plan.stages) == 4
     assert sim.plan.prediction.iteration_time_s > 0

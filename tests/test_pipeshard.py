@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from jax_models import PIPE_BATCH, PIPE_SIZES, pipe_data, pipe_layers, pipe_mlp_params
-from meshplan import pipeshard as pipeshard_module
-from meshplan.api import parallelize
 from meshplan.errors import MeshError, OptionsError
-from meshplan.pipeshard import PipeshardFunction, PipeshardParallel, PipeshardPlan, apply_update
+from meshplan.parallel import PipeshardFunction, PipeshardParallel, apply_update, parallelize
+from meshplan.parallel import pipeshard_function as pipeshard_module
+from meshplan.plan import Plan
 from meshplan.runtime import Event, Phase, make_schedule, mark_pipeline_boundary
 
 SIZES, BATCH = PIPE_SIZES, PIPE_BATCH
@@ -94,7 +94,7 @@ def test_explicit_disjoint_stages():
     devices = jax.devices()
     assert devices_of(grads[0]) == {devices[7], devices[1], devices[3]}
     assert devices_of(grads[1]) == {devices[0]}
-    assert f.get_plan().stage_devices == ((7, 1, 3), (0,))
+    assert tuple(s.devices for s in f.get_plan().stages) == ((7, 1, 3), (0,))
 
 
 # --- errors ------------------------------------------------------------------------------------------
@@ -153,12 +153,15 @@ def test_get_plan_describes_the_last_run():
     f = parallelize(staged_loss, method=PipeshardParallel(4, schedule="1f1b"))
     f(params, x, y)
     plan = f.get_plan()
-    assert isinstance(plan, PipeshardPlan) and plan.num_stages == 4 and plan.schedule == "1f1b"
-    assert plan.stage_devices == ((0, 1), (2, 3), (4, 5), (6, 7)) and plan.num_micro_batches == 4
-    assert [(s.first, s.last, s.mesh_shape) for s in plan.stages] == [(k, k, (2,)) for k in range(4)]
-    assert plan.events == make_schedule("1f1b", 4, 4) and plan.search is None
-    assert all(layout.plan is not None for layout in plan.layouts)  # stage_sharding="auto" plans every stage
-    assert f.get_plan().events[:2] == (Event(0, 0, Phase.FORWARD), Event(0, 1, Phase.FORWARD))
+    assert isinstance(plan, Plan) and plan.num_stages == 4 and plan.schedule == "1f1b"
+    assert tuple(s.devices for s in plan.stages) == ((0, 1), (2, 3), (4, 5), (6, 7)) and plan.num_microbatches == 4
+    assert [(s.first_layer, s.last_layer, s.logical_mesh) for s in plan.stages] == [(k, k, (2,)) for k in range(4)]
+    assert f.last_events == make_schedule("1f1b", 4, 4) and f.get_stage_search() is None
+    assert plan.prediction is None and plan.option("stages") == "uniform"
+    assert all(s.intra_plan is not None for s in plan.stages)  # stage_sharding="auto" plans every stage
+    assert [layout.plan for layout in f.get_layouts()] == [s.intra_plan for s in plan.stages]
+    assert f.last_events[:2] == (Event(0, 0, Phase.FORWARD), Event(0, 1, Phase.FORWARD))
+    assert Plan.from_json(plan.to_json()) == plan  # a captured pipeshard plan round-trips exactly
 
 
 def test_dump_debug_info(tmp_path):
@@ -167,21 +170,21 @@ def test_dump_debug_info(tmp_path):
     f(params, x, y)
     paths = f.dump_debug_info(tmp_path / "debug")
     assert [p.name for p in paths] == ["stage_0_forward.hlo.txt", "stage_0_memory.txt", "stage_1_forward.hlo.txt",
-                                       "stage_1_memory.txt", "pipeshard.json"]
+                                       "stage_1_memory.txt", "plan.json", "placements.json"]
     assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == sorted(p.name for p in paths)  # no temp files
     # Two tanh layers per stage, traced at the micro-batch size 8 / 2 = 4; stage 1 also reads targets.
     first, second = paths[0].read_text(), paths[2].read_text()
     assert first.count(" tanh(") == 2 and second.count(" tanh(") == 2
     assert "f32[4,16]" in first and "f32[4,32]" in second and "f32[4,4]" in second
     assert "argument_size_in_bytes" in paths[1].read_text()
-    summary = json.loads(paths[4].read_text())
-    placements = summary.pop("placements")
-    assert summary == {"schema_version": 2, "num_stages": 2, "schedule": "gpipe", "num_micro_batches": 2,
-                       "stage_sharding": "replicated", "search": None,
-                       "stages": [{"layers": [0, 0], "devices": [0, 1, 2, 3], "mesh_shape": [2, 2], "intra_plan": None},
-                                  {"layers": [1, 1], "devices": [4, 5, 6, 7], "mesh_shape": [2, 2],
-                                   "intra_plan": None}],
-                       "events": ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]}
+    plan = Plan.from_json(paths[4].read_text())
+    assert plan == f.get_plan() and plan.source == "pipeshard" and plan.schedule == "gpipe"
+    assert plan.num_microbatches == 2 and plan.option("stage_sharding") == "replicated" and plan.prediction is None
+    assert [(s.first_layer, s.last_layer, s.devices, s.logical_mesh, s.intra_plan) for s in plan.stages] == [
+        (0, 0, (0, 1, 2, 3), (2, 2), None), (1, 1, (4, 5, 6, 7), (2, 2), None)]
+    summary = json.loads(paths[5].read_text())
+    placements = summary["stages"]
+    assert summary["events"] == ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]
     assert len(placements) == 2 and len(placements[1]["inputs"]) == 4 + 1 + 1  # 2 layers' (w, b), x, targets
     assert [p["involuntary_rematerializations"] for p in placements] == [0, 0]
 
@@ -223,19 +226,19 @@ def test_data_parallel_stages_equal_value_and_grad(num_stages, schedule, num_mic
     for k, g in enumerate(grads):  # grads summed over the stage's devices: replicated on them
         assert devices_of(g) == set(jax.devices()[k * per:(k + 1) * per])
         assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(g))
-    assert f.get_plan().stage_sharding == "data_parallel"
+    assert f.get_plan().option("stage_sharding") == "data_parallel"
 
 
 def test_data_parallel_stage_forwards_take_batch_split_activations(tmp_path):
     params, (x, y) = stage_params(2), data()
     f = parallelize(staged_loss, method=PipeshardParallel(2, stage_sharding="data_parallel"))
     f(params, x, y)
-    first, _, second, _, summary = f.dump_debug_info(tmp_path)
+    first, _, second, _, summary, _ = f.dump_debug_info(tmp_path)
     # Micro-batches of 4 rows split over 4 devices per stage (one row each); weights whole.
     assert "f32[1,16]" in first.read_text() and "f32[16,32]" in first.read_text()
     assert "f32[4,16]" not in first.read_text()
     assert "f32[1,32]" in second.read_text() and "f32[1,4]" in second.read_text()
-    assert json.loads(summary.read_text())["stage_sharding"] == "data_parallel"
+    assert json.loads(summary.read_text())["options"]["stage_sharding"] == "data_parallel"
 
 
 def test_data_parallel_stages_need_a_micro_batch_divisible_by_stage_devices():

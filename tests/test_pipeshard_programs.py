@@ -20,15 +20,14 @@ import optax
 import pytest
 
 from jax_models import transformer_args, transformer_block
-from meshplan.api import parallelize
 from meshplan.cluster import Cluster
 from meshplan.cluster.devices import DeviceSpec
 from meshplan.errors import MeshError
-from meshplan.inter.stage_dp import pipeline_latency
-from meshplan.pipeshard import PipeshardParallel, PipeshardStage
+from meshplan.inter.schedules import pipeline_latency
+from meshplan.parallel import PipeshardParallel, PipeshardStage, parallelize
+from meshplan.plan import Plan
 from meshplan.report.pipeshard_text import pipeshard_text
 from meshplan.runtime import mark_pipeline_boundary
-from meshplan.runtime.stage_search import logical_shapes
 
 STEPS, LR, TOL = 3, 0.05, dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -180,15 +179,15 @@ def test_planned_stages_train_like_one_device(program, stage_mesh):
     method = PipeshardParallel(2, schedule="1f1b", stage_mesh_shape=stage_mesh)
     f = assert_same_training(method, program)
     plan = f.get_plan()
-    assert [s.mesh_shape for s in plan.stages] == [stage_mesh, stage_mesh]
-    assert all(layout.plan.mesh.shape == stage_mesh for layout in plan.layouts)
+    assert [s.logical_mesh for s in plan.stages] == [stage_mesh, stage_mesh]
+    assert all(s.intra_plan.mesh.shape == stage_mesh for s in plan.stages)
 
 
 @pytest.mark.parametrize("program", list(PROGRAMS))
 def test_auto_stages_train_like_one_device(program):
     f = assert_same_training(PipeshardParallel(2, stages="auto", schedule="gpipe"), program)
     stages = f.get_plan().stages
-    assert stages[0].first == 0 and stages[-1].last == 1 and sum(len(s.devices) for s in stages) == 8
+    assert stages[0].first_layer == 0 and stages[-1].last_layer == 1 and sum(len(s.devices) for s in stages) == 8
 
 
 # --- the plan is what runs ------------------------------------------------------------------------
@@ -217,7 +216,7 @@ def test_planned_stage_shards_weights_as_its_plan_says():
     np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
     for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
-    for k, layout in enumerate(f.get_plan().layouts):
+    for k, layout in enumerate(f.get_layouts()):
         leaves = jax.tree_util.tree_leaves(grads[k])
         assert not all(leaf.sharding.is_fully_replicated for leaf in leaves)
         for leaf, planned in zip(leaves, jax.tree_util.tree_leaves(layout.param_grads), strict=True):
@@ -233,7 +232,7 @@ def test_explicit_stage_with_layer_range_and_mesh_shape():
     np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
     devices = {d for leaf in jax.tree_util.tree_leaves(grads) for d in leaf.sharding.device_set}
     assert devices == {jax.devices()[i] for i in (0, 2, 4, 6)}
-    assert f.get_plan().stages[0].mesh_shape == (2, 2)
+    assert f.get_plan().stages[0].logical_mesh == (2, 2)
 
 
 # --- the inter-op search ---------------------------------------------------------------------------
@@ -244,15 +243,19 @@ def test_search_picks_the_best_predicted_pipeline():
     params, x, y = wide_mlp(width=256)
     f = parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"))
     f(params, x, y)
-    search = f.get_plan().search
-    assert search.latency == pytest.approx(pipeline_latency(search.stage_latencies, 4))
-    one_stage = min(sum(costs[shape] for costs in search.layer_costs) for shape in logical_shapes(8))
-    assert search.latency <= 4 * one_stage * (1 + 1e-9)
+    search, plan = f.get_stage_search(), f.get_plan()
+    latency = search.inter.pipeline_time
+    assert latency == pytest.approx(pipeline_latency([s.latency for s in search.inter.stages], 4))
+    whole = [(8,), (2, 4), (4, 2)]  # the logical views of one sub-mesh of all 8 devices
+    one_stage = min(sum(search.layer_times(k)[view] for k in range(2)) for view in whole)
+    assert latency <= 4 * one_stage * (1 + 1e-9)
     used = sorted(i for s in search.stages for i in s.devices)
     assert used == list(range(8))
-    assert f.get_plan().to_dict()["search"]["predicted_latency_s"] == search.latency
-    text = pipeshard_text(f.get_plan())
-    assert f"predicted step latency {search.latency * 1e3:.3f} ms" in text
+    assert plan.prediction.pipeline_time_s == latency and plan.option("stages") == "auto"
+    assert [s.latency_s for s in plan.stages] == [s.latency for s in search.inter.stages]
+    assert Plan.from_json(plan.to_json()) == plan
+    text = pipeshard_text(plan)
+    assert f"predicted step latency {latency * 1e3:.3f} ms" in text
     assert text.count("\nstage ") == len(search.stages) and "stage 0: layer(s) 0" in text
     assert "args[0][0]['w1']" in text and " grad " in text  # every stage lists its params' layouts
 
@@ -272,11 +275,13 @@ def test_search_keeps_every_stage_within_the_memory_per_device():
     loss, _ = f(params, x, y)
     np.testing.assert_allclose(float(loss), float(jax.jit(wide_mlp_loss)(params, x, y)), **TOL)
     plan = f.get_plan()
-    assert all(layout.plan.peak_memory <= budget for layout in plan.layouts)
-    assert all(layout.plan.mesh.memory_per_device == budget for layout in plan.layouts)
-    holder = next(s for s in plan.stages if s.first <= 1 <= s.last)
+    assert all(s.intra_plan.peak_memory <= budget for s in plan.stages)
+    assert all(s.intra_plan.mesh.memory_per_device == budget for s in plan.stages)
+    assert all(s.memory_bytes <= budget for s in plan.stages)  # the inter-op pass's memory rule
+    holder = next(s for s in plan.stages if s.first_layer <= 1 <= s.last_layer)
     assert len(holder.devices) > 1
-    assert math.isinf(plan.search.layer_costs[1][(1,)])  # whole on one device does not fit
+    assert math.isinf(f.get_stage_search().layer_times(1)[(1,)])  # whole on one device does not fit
+    assert math.isinf(dict(plan.metrics)["layer_s.1.1"])
     with pytest.raises(MeshError, match=r"no pipeline of the 2 layers on 8 devices fits in 0.001 GB per device"):
         parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"), cluster=memory_cluster(1e6))(
             params, x, y)

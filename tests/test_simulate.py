@@ -10,10 +10,10 @@ import pytest
 
 from meshplan import InfeasiblePlanError, ModelSpecError
 from meshplan.cluster import Cluster, get_device
-from meshplan.inter.planner import PlannerOptions, TrainingJob, microbatch_candidates
 from meshplan.models.transformer import PRESETS, load_hf_config, model_config
-from meshplan.plan import TrainingPlan
-from meshplan.simulate import simulate
+from meshplan.plan import Plan
+from meshplan.simulator import PlannerOptions, TrainingJob, simulate
+from meshplan.simulator.planner import microbatch_candidates
 
 SMALL = PRESETS["gpt3-125m"].replace(layers=4)
 
@@ -47,7 +47,8 @@ def test_hugging_face_config(tmp_path):
 def test_prediction_is_consistent(small_simulation):
     job, cluster, sim = small_simulation
     plan = sim.plan
-    assert sum(s.devices for s in plan.stages) == cluster.num_devices
+    assert sum(s.num_devices for s in plan.stages) == cluster.num_devices
+    assert sorted(i for s in plan.stages for i in s.devices) == list(range(cluster.num_devices))
     assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == SMALL.layers - 1
     assert [s.first_layer for s in plan.stages[1:]] == [s.last_layer + 1 for s in plan.stages[:-1]]
     p = plan.prediction
@@ -72,9 +73,9 @@ def test_auto_plan_at_least_as_fast_as_baselines(small_simulation):
 def test_plan_json_round_trip(small_simulation):
     _, _, sim = small_simulation
     text = sim.plan.to_json()
-    assert TrainingPlan.from_json(text) == sim.plan
+    assert Plan.from_json(text) == sim.plan
     with pytest.raises(Exception, match="schema version"):
-        TrainingPlan.from_dict({**json.loads(text), "schema_version": 99})
+        Plan.from_dict({**json.loads(text), "schema_version": 99})
 
 
 def test_model_that_cannot_fit_names_the_memory():
@@ -117,7 +118,8 @@ def test_simulate_command_json(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data == json.loads(out.read_text())
-    assert data["plan"]["prediction"]["iteration_time_s"] > 0
+    assert Plan.from_dict(data).to_dict() == data  # one schema-versioned Plan, baselines inside
+    assert data["prediction"]["iteration_time_s"] > 0 and data["source"] == "simulate"
     assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2"}
 
 
@@ -127,8 +129,8 @@ def test_reduce_scatter_widens_the_piece_plans():
     state (ZeRO-2) and is never more expensive, the space being a superset; without it every
     contraction's partial sums are all-reduced."""
     from meshplan.cost.collectives import CollectiveKind
-    from meshplan.inter.profile import profile_piece
     from meshplan.models.training import block_training_graph
+    from meshplan.simulator.pricing import profile_piece
 
     cluster = Cluster(1, 4, get_device("a100-40gb"))
     mesh = cluster.logical_views((1, 4))[0]

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.inter.stage_dp import brute_force_stages, pipeline_latency, plan_stages
+from meshplan.inter.schedules import pipeline_latency
+from meshplan.inter.stage_dp import brute_force_stages, plan_stages
 
 
 @st.composite

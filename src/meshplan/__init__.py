@@ -1,5 +1,12 @@
 """meshplan: automatic data, tensor and pipeline parallelism planning (after Alpa)."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.cluster.devices import get_device
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import (
@@ -9,6 +16,7 @@ from meshplan.errors import (
     MeshplanError,
     ModelSpecError,
     OptionsError,
+    PlanValidationError,
     SolverError,
 )
 from meshplan.intra.options import IntraOptions
@@ -16,28 +24,45 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import DType, Graph, GraphBuilder, OpKind, check_graph, format_graph
 from meshplan.models import llama_forward
+from meshplan.models.transformer import model_config
+from meshplan.plan import Plan
 from meshplan.sharding.spec import ShardingSpec
+from meshplan.simulator import PlannerOptions, Simulation, TrainingJob, simulate
 
-# The runtime needs JAX (the `jax` extra); its names load on first use so that planning and
-# simulation work without it.
+if TYPE_CHECKING:  # the runtime needs JAX (the `jax` extra); these load on first use
+    from meshplan.capture import capture
+    from meshplan.parallel import (
+        DataParallel,
+        PipeshardParallel,
+        PipeshardStage,
+        ShardParallel,
+        TensorParallel,
+        Zero2Parallel,
+        Zero3Parallel,
+        apply_update,
+        parallelize,
+    )
+    from meshplan.runtime import mark_pipeline_boundary
+
 _RUNTIME = {
-    "parallelize": "meshplan.api", "ShardParallel": "meshplan.api", "DataParallel": "meshplan.api",
-    "Zero2Parallel": "meshplan.api", "Zero3Parallel": "meshplan.api", "TensorParallel": "meshplan.api",
-    "PipeshardParallel": "meshplan.pipeshard",
+    **dict.fromkeys(("parallelize", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
+                     "TensorParallel", "PipeshardParallel", "PipeshardStage", "apply_update"), "meshplan.parallel"),
     "capture": "meshplan.capture", "mark_pipeline_boundary": "meshplan.runtime",
 }
 
 
 def __getattr__(name: str):
     if name in _RUNTIME:
-        import importlib
-
         return getattr(importlib.import_module(_RUNTIME[name]), name)
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
 
+
 __all__ = [
-    "CostModel", "DType", "Graph", "GraphBuilder", "GraphError", "InfeasiblePlanError", "IntraOptions",
-    "IntraPlan", "LogicalMesh", "MeshError", "MeshplanError", "ModelSpecError", "OpKind", "OptionsError",
-    "ShardingSpec", "SolverError", "check_graph", "format_graph", "llama_forward", "solve_intra",
-    *_RUNTIME,
+    "Cluster", "CostModel", "DType", "Graph", "GraphBuilder", "GraphError", "InfeasiblePlanError", "IntraOptions",
+    "IntraPlan", "LogicalMesh", "MeshError", "MeshplanError", "ModelSpecError", "OpKind", "OptionsError", "Plan",
+    "PlanValidationError", "PlannerOptions", "ShardingSpec", "Simulation", "SolverError", "TrainingJob",
+    "check_graph", "format_graph", "get_device", "llama_forward", "model_config", "simulate", "solve_intra",
+    # runtime, loaded on first use
+    "DataParallel", "PipeshardParallel", "PipeshardStage", "ShardParallel", "TensorParallel", "Zero2Parallel",
+    "Zero3Parallel", "apply_update", "capture", "mark_pipeline_boundary", "parallelize",
 ]

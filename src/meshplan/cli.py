@@ -18,6 +18,7 @@ from meshplan.files import write_json_atomic, write_text_atomic
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.solve import build_intra_problem, solve_intra
 from meshplan.models.registry import forward_graph
+from meshplan.plan import single_stage_plan
 from meshplan.report.intra_text import print_intra_plan
 from meshplan.sharding.strategy import StrategySpace
 
@@ -77,16 +78,17 @@ def intra(
     if dump_lp:
         write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
     plan = solve_intra(graph, logical, options)
-    data = plan.to_dict()
-    extra = []
+    metrics, extra = {}, []
     if compare_sharing:
         other = solve_intra(graph, logical, options.replace(share_layers=not share_layers))
         shared, unshared = (plan, other) if share_layers else (other, plan)
-        data["sharing"] = {"shared_objective": shared.objective, "unshared_objective": unshared.objective,
-                           "difference": shared.objective - unshared.objective,
-                           "shared_solve_s": shared.solve.wall_s, "unshared_solve_s": unshared.solve.wall_s}
+        metrics = {"sharing.shared_objective": shared.objective, "sharing.unshared_objective": unshared.objective,
+                   "sharing.difference": shared.objective - unshared.objective,
+                   "sharing.shared_solve_s": shared.solve.wall_s, "sharing.unshared_solve_s": unshared.solve.wall_s}
         extra.append(f"layer sharing: shared {shared.objective:,.4f} vs unshared {unshared.objective:,.4f} "
                      f"(difference {shared.objective - unshared.objective:,.4f})")
+    data = single_stage_plan(plan, "intra", model, global_batch=batch, seq_len=seq_len,
+                             options=(("strategy_space", space),), metrics=tuple(metrics.items())).to_dict()
     if out:
         write_json_atomic(out, data)
     if json_out:
@@ -118,11 +120,11 @@ def simulate(
     """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
     from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
     from meshplan.cluster.devices import device_from_overrides, get_device
-    from meshplan.inter.planner import PlannerOptions, TrainingJob
     from meshplan.ir import as_dtype
     from meshplan.models.transformer import model_config
     from meshplan.report.simulation_text import print_simulation
-    from meshplan.simulate import simulate as run_simulation
+    from meshplan.simulator import PlannerOptions, TrainingJob
+    from meshplan.simulator import simulate as run_simulation
 
     spec = get_device(device)
     if memory:
@@ -140,7 +142,7 @@ def simulate(
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        print_simulation(sim, Console())
+        print_simulation(sim.plan, Console())
 
 
 @app.command("profile-cluster")

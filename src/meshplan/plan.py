@@ -1,99 +1,239 @@
-"""TrainingPlan: a pipeline + sharding plan and its prediction, as pure data with a JSON form."""
+"""Plan: what every planner emits and every report reads; pure data with an exact JSON round trip.
+
+A Plan is a pipeline of stages (a single stage when there is no pipeline): each stage holds a
+layer range, the devices it runs on, its logical mesh and, where the stage was planned
+operator by operator, its IntraPlan. Around them: the schedule and micro-batches, what was
+planned (model or function, cluster, batch) and, where a planner predicted it, the time and
+memory. `simulate`, `intra`, `parallelize` (dump_debug_info) and PipeshardParallel all write
+this one schema. No devices, arrays or JAX objects live here.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from meshplan.errors import PlanValidationError
+from meshplan.intra.plan import IntraPlan
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3
+SOURCES = ("simulate", "intra", "parallelize", "pipeshard")
 
 
 @dataclass(frozen=True, slots=True)
-class StagePlan:
-    """One pipeline stage: blocks first..last on a sub-mesh seen as `logical_mesh`."""
+class Stage:
+    """One pipeline stage: layers first..last on `devices` viewed as `logical_mesh`.
+
+    Attributes:
+        first_layer, last_layer: the layer range (inclusive).
+        devices: the stage's devices: global ids on the planned cluster (row-major, node-major),
+            or, for a runtime plan, indices into the device list the function ran on.
+        logical_mesh: the logical mesh shape the stage's operators are sharded over.
+        submesh: (nodes, devices per node) of the physical sub-mesh, when placed on a cluster.
+        intra_plan: the stage's operator-level plan, when one was made and kept.
+        memory_plan: which intra-op plan of the menu ("fastest" or "lean-N").
+        recompute: activation recomputation: "none" or "full".
+        latency_s: predicted forward + backward (+ hand-off) time per micro-batch.
+        memory_bytes: predicted peak memory per device.
+        inflight_microbatches: micro-batches whose activations the stage holds at its peak.
+        sync_s, update_s: predicted gradient sync and optimizer step, once per iteration.
+    """
 
     first_layer: int
     last_layer: int
-    submesh: tuple[int, int]
+    devices: tuple[int, ...]
     logical_mesh: tuple[int, ...]
-    memory_plan: str  # "fastest" or "lean-N": which intra-op plan of the menu
-    recompute: str
-    latency_s: float  # per micro-batch, forward + backward (+ sends)
-    memory_bytes: float  # peak per device
-    inflight_microbatches: int
-    sync_s: float
-    update_s: float
-    origin: tuple[int, int] = (0, 0)  # (first node, first device in that node)
+    submesh: tuple[int, int] | None = None
+    intra_plan: IntraPlan | None = None
+    memory_plan: str = "fastest"
+    recompute: str = "none"
+    latency_s: float | None = None
+    memory_bytes: float | None = None
+    inflight_microbatches: int | None = None
+    sync_s: float = 0.0
+    update_s: float = 0.0
 
     @property
-    def devices(self) -> int:
-        return self.submesh[0] * self.submesh[1]
+    def num_devices(self) -> int:
+        return len(self.devices)
 
     @property
     def num_layers(self) -> int:
         return self.last_layer - self.first_layer + 1
 
+    @property
+    def layers(self) -> str:
+        """E.g. "3-7", or "3" for one layer."""
+        return str(self.first_layer) if self.num_layers == 1 else f"{self.first_layer}-{self.last_layer}"
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Predicted performance of one iteration."""
+    """Predicted performance of one iteration (fields a planner could not predict are None)."""
 
     iteration_time_s: float
     pipeline_time_s: float
-    sync_time_s: float
-    tokens_per_s: float
-    tflops_per_device: float
-    mfu: float
-    peak_memory_bytes: float
+    sync_time_s: float = 0.0
+    tokens_per_s: float | None = None
+    tflops_per_device: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class TrainingPlan:
-    """Everything needed to run and explain a plan; no devices, no arrays."""
+class BaselineSummary:
+    """A reference layout priced by the same cost model: its prediction, or why it does not fit."""
 
+    name: str
+    config: str
+    prediction: Prediction | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A parallelization plan and, where known, its prediction.
+
+    Attributes:
+        source: the planner that wrote it: "simulate", "intra", "parallelize" or "pipeshard".
+        model: the model preset, config or function planned.
+        stages: the pipeline's stages in order (one for an unpipelined plan).
+        schedule: the pipeline schedule (see meshplan.inter.schedules), "none" without a pipeline.
+        num_microbatches: micro-batches per iteration.
+        chunks: model chunks per device (interleaved schedules).
+        microbatch_size, global_batch, seq_len: sequences per micro-batch and per iteration,
+            tokens per sequence (None where the planner does not know them).
+        num_params: parameters of the model.
+        cluster: (nodes, devices per node) planned for; device: the device kind.
+        prediction: the predicted iteration.
+        label: "auto" or the baseline it is ("megatron", "data-parallel", ...).
+        options: the planner's settings that shaped the plan, as name -> text.
+        baselines: reference layouts priced alongside (simulate).
+        metrics: further named figures, e.g. planner seconds per phase.
+        notes: remarks for the reader.
+    """
+
+    source: str
     model: str
-    num_params: int
-    cluster: tuple[int, int]
-    device: str
-    global_batch: int
-    seq_len: int
-    microbatch_size: int
-    num_microbatches: int
-    stages: tuple[StagePlan, ...]
-    prediction: Prediction
+    stages: tuple[Stage, ...]
+    schedule: str = "none"
+    num_microbatches: int = 1
+    chunks: int = 1
+    microbatch_size: int | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
+    num_params: int | None = None
+    cluster: tuple[int, int] | None = None
+    device: str = ""
+    prediction: Prediction | None = None
     label: str = "auto"
-    schedule: str = "1f1b"
-    schema_version: int = SCHEMA_VERSION
-    notes: tuple[str, ...] = field(default=())
+    options: tuple[tuple[str, str], ...] = ()
+    baselines: tuple[BaselineSummary, ...] = ()
+    metrics: tuple[tuple[str, float], ...] = ()
+    notes: tuple[str, ...] = ()
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.num_devices for s in self.stages)
+
+    def option(self, name: str, default: str = "") -> str:
+        return dict(self.options).get(name, default)
+
+    def metrics_under(self, prefix: str) -> dict[str, float]:
+        """The metrics named `prefix` + something, by that something (e.g. "planner_s.")."""
+        return {name.removeprefix(prefix): value for name, value in self.metrics if name.startswith(prefix)}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        data["stages"] = [_stage_dict(s) for s in self.stages]
+        data["options"] = dict(self.options)
+        data["metrics"] = dict(self.metrics)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> TrainingPlan:
+    def from_dict(data: Any) -> Plan:
+        """The plan `to_dict` wrote.
+
+        Raises:
+            PlanValidationError: not a plan, a schema version this meshplan does not read, or a
+                missing or mistyped field (the message names it).
+        """
+        if not isinstance(data, dict) or "stages" not in data or "source" not in data:
+            raise PlanValidationError("this is not a meshplan plan (no 'source' and 'stages'); write one with "
+                                      "`meshplan simulate --out`, `meshplan intra --out` or dump_debug_info")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanValidationError(f"plan schema version {version!r} is not supported (this meshplan reads "
                                       f"version {SCHEMA_VERSION}); re-plan with this version")
         try:
-            stages = tuple(StagePlan(**{**s, "submesh": tuple(s["submesh"]), "origin": tuple(s["origin"]),
-                                        "logical_mesh": tuple(s["logical_mesh"])}) for s in data["stages"])
-            fields = {k: v for k, v in data.items() if k not in ("stages", "prediction")}
-            fields["cluster"] = tuple(fields["cluster"])
-            fields["notes"] = tuple(fields.get("notes", ()))
-            return TrainingPlan(**fields, stages=stages, prediction=Prediction(**data["prediction"]))
-        except (KeyError, TypeError) as exc:
-            raise PlanValidationError(f"plan data is malformed: {exc}") from None
+            return _plan(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanValidationError(f"plan data is malformed ({type(exc).__name__}: {exc}); re-plan with this "
+                                      "meshplan version") from None
 
     @staticmethod
-    def from_json(text: str) -> TrainingPlan:
+    def from_json(text: str) -> Plan:
         try:
-            return TrainingPlan.from_dict(json.loads(text))
+            return Plan.from_dict(json.loads(text))
         except json.JSONDecodeError as exc:
-            raise PlanValidationError(f"plan file is not JSON: {exc}") from None
+            raise PlanValidationError(f"plan file is not JSON ({exc}); it may be truncated: write it again") from None
+
+
+def single_stage_plan(intra: IntraPlan, source: str, model: str, **fields: Any) -> Plan:
+    """An unpipelined Plan: one stage, on the intra-op plan's mesh, holding that plan."""
+    mesh = intra.mesh
+    last = max((n.layer for n in intra.nodes if n.layer is not None), default=0)
+    stage = Stage(0, last, mesh.device_ids, mesh.shape, intra_plan=intra, memory_bytes=intra.peak_memory)
+    return Plan(source, model, (stage,), **fields)
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses and tuples as JSON-ready dicts and lists."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _stage_dict(stage: Stage) -> dict[str, Any]:
+    return {f.name: _plain(getattr(stage, f.name)) for f in fields(stage)}
+
+
+def _stage(data: dict[str, Any]) -> Stage:
+    values = dict(data)
+    values["devices"] = tuple(values["devices"])
+    values["logical_mesh"] = tuple(values["logical_mesh"])
+    values["submesh"] = None if values.get("submesh") is None else tuple(values["submesh"])
+    values["intra_plan"] = None if values.get("intra_plan") is None else IntraPlan.from_dict(values["intra_plan"])
+    return Stage(**values)
+
+
+def _prediction(data: dict[str, Any] | None) -> Prediction | None:
+    return None if data is None else Prediction(**data)
+
+
+def _plan(data: dict[str, Any]) -> Plan:
+    values = dict(data)
+    values["stages"] = tuple(_stage(s) for s in values["stages"])
+    values["prediction"] = _prediction(values.get("prediction"))
+    values["cluster"] = None if values.get("cluster") is None else tuple(values["cluster"])
+    values["options"] = tuple((str(k), str(v)) for k, v in values.get("options", {}).items())
+    values["metrics"] = tuple((str(k), float(v)) for k, v in values.get("metrics", {}).items())
+    values["baselines"] = tuple(BaselineSummary(b["name"], b["config"], _prediction(b.get("prediction")),
+                                                b.get("reason", "")) for b in values.get("baselines", ()))
+    values["notes"] = tuple(values.get("notes", ()))
+    if values["source"] not in SOURCES:
+        raise ValueError(f"source {values['source']!r} is not one of {SOURCES}")
+    return Plan(**values)

@@ -7,6 +7,7 @@ i * devices_per_node + j, so ids within a node are consecutive.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ class Cluster:
             shape: (nodes, devices per node) of the sub-mesh.
             origin: (first node, first device within the node) of the sub-mesh.
         """
-        ids = self._submesh_ids(shape, origin)
+        ids = self.submesh_ids(shape, origin)
         n, m = shape
         widths = [b for b in range(m, 1, -1) if m % b == 0]
         views = [(n * m // b, b) for b in widths]
@@ -80,7 +81,7 @@ class Cluster:
         """`logical_views` of the whole cluster."""
         return self.logical_views((self.nodes, self.devices_per_node))
 
-    def _submesh_ids(self, shape: tuple[int, int], origin: tuple[int, int]) -> tuple[int, ...]:
+    def submesh_ids(self, shape: tuple[int, int], origin: tuple[int, int]) -> tuple[int, ...]:
         """Global ids of the sub-mesh, row-major; raises MeshError if it does not fit."""
         (n, m), (i0, j0) = shape, origin
         fits = n >= 1 and m >= 1 and i0 >= 0 and j0 >= 0
@@ -100,7 +101,8 @@ class Cluster:
         d = self.device
         alpha = tuple(d.intra_latency if x else d.inter_latency for x in intra)
         beta = tuple(d.intra_beta if x else d.inter_beta for x in intra)
-        return LogicalMesh(view, alpha, beta, memory_per_device=d.memory_bytes, device_ids=ids)
+        memory = None if d.memory_bytes == math.inf else d.memory_bytes
+        return LogicalMesh(view, alpha, beta, memory_per_device=memory, device_ids=ids)
 
     def _in_one_node(self, groups: list[tuple[int, ...]]) -> bool:
         return all(len({i // self.devices_per_node for i in g}) == 1 for g in groups)

@@ -31,7 +31,7 @@ class DeviceSpec:
     Attributes:
         name: lower-case table key, e.g. "a100-80gb".
         peak_flops: dense bf16/fp16 tensor-core FLOP/s (no sparsity).
-        memory_bytes: device memory in bytes.
+        memory_bytes: device memory in bytes (inf: unlimited).
         intra_bandwidth: bytes/s per direction per device over the node's fabric (NVLink).
         intra_latency: seconds per collective step within a node.
         inter_bandwidth: bytes/s per direction per device across nodes (its share of the NICs).
@@ -49,8 +49,10 @@ class DeviceSpec:
     description: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("peak_flops", "memory_bytes", "intra_bandwidth", "inter_bandwidth"):
+        for field in ("peak_flops", "intra_bandwidth", "inter_bandwidth"):
             _check_number(self.name, field, getattr(self, field), allow_zero=False)
+        if self.memory_bytes != math.inf:  # inf: unlimited (devices whose memory is not modelled)
+            _check_number(self.name, "memory_bytes", self.memory_bytes, allow_zero=False)
         for field in ("intra_latency", "inter_latency"):
             _check_number(self.name, field, getattr(self, field), allow_zero=True)
 

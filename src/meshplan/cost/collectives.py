@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from meshplan.cluster.mesh import LogicalMesh
 
@@ -33,6 +34,13 @@ class Collective:
 
     def __str__(self) -> str:
         return f"{self.kind.value}@{''.join(map(str, self.axes))}({_fmt_bytes(self.nbytes)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "axes": list(self.axes), "bytes": self.nbytes, "cost": self.cost}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Collective:
+        return Collective(CollectiveKind(data["kind"]), tuple(data["axes"]), data["bytes"], data["cost"])
 
 
 # Bandwidth term factors (n = devices in the group). The all-to-all term follows a switched

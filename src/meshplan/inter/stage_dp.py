@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.inter.schedules import pipeline_latency
+
 INF = math.inf
 
 
@@ -35,7 +37,7 @@ class StageSlot:
 
 
 @dataclass(frozen=True, slots=True)
-class StagePlan:
+class StageCuts:
     """The DP's answer: stages in pipeline order and the pipeline latency they give."""
 
     stages: tuple[StageSlot, ...]
@@ -43,16 +45,8 @@ class StagePlan:
     t_max_tried: int = 0  # bounds on the slowest stage the DP solved for (0 for brute force)
 
 
-def pipeline_latency(latencies: Sequence[float], num_microbatches: int, chunks: int = 1) -> float:
-    """1F1B/GPipe latency of one iteration: B steps of the slowest stage plus the fill and drain
-    of the others. With the interleaved schedule (each device holds `chunks` model chunks,
-    Narayanan et al. 2021) the fill and drain shrink by that factor."""
-    slowest = max(latencies)
-    return num_microbatches * slowest + (sum(latencies) - slowest) / chunks
-
-
 def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
-                relative_bucket: float = 0.0) -> StagePlan | None:
+                relative_bucket: float = 0.0) -> StageCuts | None:
     """Best stage plan, or None when no plan uses every device within the latencies given.
 
     Args:
@@ -71,7 +65,7 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
     candidates = np.unique(lat[np.isfinite(lat)])
     if relative_bucket > 0:
         candidates = _bucket(candidates, relative_bucket)
-    best: StagePlan | None = None
+    best: StageCuts | None = None
     tried = 0
     for t_max in candidates:
         if best is not None and num_microbatches * t_max >= best.total:
@@ -83,8 +77,8 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
         stages = found
         total = pipeline_latency([s.latency for s in stages], num_microbatches)
         if best is None or total < best.total - 1e-15 * abs(total):
-            best = StagePlan(tuple(stages), total)
-    return None if best is None else StagePlan(best.stages, best.total, tried)
+            best = StageCuts(tuple(stages), total)
+    return None if best is None else StageCuts(best.stages, best.total, tried)
 
 
 def _bucket(values: np.ndarray, ratio: float) -> np.ndarray:
@@ -144,11 +138,11 @@ def _backtrack(history, lat, sizes, num_stages, num_devices) -> list[StageSlot]:
 
 
 def brute_force_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int,
-                       num_microbatches: int) -> StagePlan | None:
+                       num_microbatches: int) -> StageCuts | None:
     """Exhaustive twin of `plan_stages` for tests: every cut, every sub-mesh per stage."""
     lat = np.asarray(latency, dtype=float)
     num_layers = lat.shape[0]
-    best: StagePlan | None = None
+    best: StageCuts | None = None
     for cuts in _compositions(num_layers):
         num_stages = len(cuts)
         if num_stages > lat.shape[3] - 1:
@@ -162,7 +156,7 @@ def brute_force_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: i
                 continue
             total = pipeline_latency([s.latency for s in slots], num_microbatches)
             if best is None or total < best.total:
-                best = StagePlan(tuple(slots), total)
+                best = StageCuts(tuple(slots), total)
     return best
 
 

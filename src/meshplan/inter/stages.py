@@ -1,54 +1,40 @@
-"""Stage estimates: time and memory of a layer range on a sub-mesh, from per-piece costs.
+"""Stage estimates: time and memory of a layer range on one view of a sub-mesh, from layer costs.
 
-A stage runs blocks first..last (plus the embedding on the first stage and the head on the
-last). Under 1F1B the stage that is s-th from the end holds min(s, B) micro-batches of
-activations. Two recomputation choices: none (keep every saved activation) or full (keep
-the stage inputs; run each block's forward again before its backward).
+The memory rule: a stage holds its layers' state all along, the activations of the micro-batches
+in flight (the schedule says how many: under 1F1B the stage s-th from the end holds min(s, B)),
+and the working memory of the one layer running. Two recomputation choices: none (keep every
+saved activation) or full (keep the stage inputs; run each layer's forward again before its
+backward). Hand-offs to the next stage are priced per device: each device of the sending view
+sends its share of the boundary's activations, and receives its gradient, over the inter-node
+link.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.inter.profile import ZERO_COST, PieceCost
+from meshplan.cluster.cluster import Cluster
+from meshplan.inter.costs import LayerCost, LayerCosts, ViewCosts
+from meshplan.inter.schedules import Schedule
 
 RECOMPUTE_CHOICES = ("none", "full")
-
-
-@dataclass(frozen=True, slots=True)
-class ViewCosts:
-    """Costs measured on one logical view of a sub-mesh for one micro-batch size.
-
-    Attributes:
-        shape: the physical sub-mesh (nodes, devices per node); view: the logical mesh shape.
-        blocks: per block index, its menu (fastest first, then leaner in memory).
-        embedding, head: menus of the first stage's embedding and the last stage's head (a
-            stage uses the same menu entry for all its pieces).
-        transfer: seconds to send one micro-batch's activations to the next stage and its
-            gradient back.
-    """
-
-    shape: tuple[int, int]
-    view: tuple[int, ...]
-    blocks: tuple[tuple[PieceCost, ...], ...]
-    embedding: tuple[PieceCost, ...]
-    head: tuple[PieceCost, ...]
-    transfer: float
-
-    @property
-    def devices(self) -> int:
-        return self.shape[0] * self.shape[1]
+_SUMMED = ("time", "forward_time", "sync_time", "update_time", "static_bytes", "activation_bytes", "input_bytes",
+           "flops")
 
 
 @dataclass(frozen=True, slots=True)
 class StageEstimate:
-    """One stage as planned: its layers, mesh, menu entry, recomputation, time and memory."""
+    """One stage as planned: its layers, mesh, menu entry, recomputation, time and memory.
+
+    `devices` are the global ids of the sub-mesh once placed (empty before placement).
+    """
 
     first: int
     last: int
-    shape: tuple[int, int]
+    submesh: tuple[int, int]
     view: tuple[int, ...]
     menu: int
     recompute: str
@@ -58,67 +44,47 @@ class StageEstimate:
     memory: float
     inflight: int
     flops: float
+    devices: tuple[int, ...] = ()
 
 
-def range_cost(costs: ViewCosts, menu: int, first: int, last: int) -> PieceCost:
-    """Summed costs of blocks first..last with menu entry `menu`, plus embedding/head at the ends."""
-    total = sum((_entry(costs.blocks[layer], menu) for layer in range(first, last + 1)), start=ZERO_COST)
-    if first == 0:
-        total = total + _entry(costs.embedding, menu)
-    if last == len(costs.blocks) - 1:
-        total = total + _entry(costs.head, menu)
+def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster) -> float:
+    """Seconds to send one micro-batch's activations after layer `last` and get their gradient
+    back, each device of `view` moving its share over the inter-node link (0 after the last layer)."""
+    if last >= costs.num_layers - 1:
+        return 0.0
+    d = cluster.device
+    return 2 * (d.inter_latency + costs.handoff_bytes[last] / view.devices * d.inter_beta)
+
+
+def range_cost(view: ViewCosts, menu: int, first: int, last: int) -> dict[str, float]:
+    """Summed costs of layers first..last under menu entry `menu`, plus the largest working
+    memory and recomputed activations of any layer of the model (an upper bound per range, the
+    same in the latency table)."""
+    entries = [view.entry(k, menu) for k in range(first, last + 1)]
+    total = {f: sum(getattr(e, f) for e in entries) for f in _SUMMED}
+    every = [e for k in range(len(view.layers)) if _usable(e := view.entry(k, menu))] or entries
+    total["transient_bytes"] = max(e.transient_bytes for e in every)
+    total["peak_activation_bytes"] = max(e.peak_activation_bytes for e in every)
     return total
 
 
-def menu_size(costs: ViewCosts) -> int:
-    return max(len(m) for m in (*costs.blocks, costs.embedding, costs.head))
+def _usable(cost: LayerCost) -> bool:
+    """Whether the layer can run on the view at all (an unplaceable layer has infinite costs)."""
+    return all(math.isfinite(getattr(cost, f)) for f in (*_SUMMED, "transient_bytes"))
 
 
-def _entry(menu: tuple[PieceCost, ...], index: int) -> PieceCost:
-    return menu[min(index, len(menu) - 1)]
-
-
-def stage_memory(cost: PieceCost, inflight: int, recompute: str, largest_activation: float,
-                 largest_transient: float) -> float:
-    """Peak bytes per device: state held all along, activations of the micro-batches in
-    flight, and the working memory of the one piece running (pieces run one at a time)."""
+def stage_memory(cost: dict[str, float], inflight: int, recompute: str) -> float:
+    """Peak bytes per device: state held all along, activations of the micro-batches in flight,
+    and the working memory of the one layer running (layers run one at a time)."""
     if recompute == "full":
-        return cost.static_bytes + inflight * cost.input_bytes + largest_activation + largest_transient
-    return cost.static_bytes + inflight * cost.activation_bytes + largest_transient
+        held = cost["static_bytes"] + inflight * cost["input_bytes"] + cost["peak_activation_bytes"]
+    else:
+        held = cost["static_bytes"] + inflight * cost["activation_bytes"]
+    return held + cost["transient_bytes"]
 
 
-def _largest(costs: ViewCosts, menu: int, first: int, last: int, field: str) -> float:
-    pieces = [_entry(costs.blocks[k], menu) for k in range(first, last + 1)]
-    pieces += [_entry(costs.embedding, menu)] if first == 0 else []
-    pieces += [_entry(costs.head, menu)] if last == len(costs.blocks) - 1 else []
-    return max(getattr(p, field) for p in pieces)
-
-
-def stage_latency(cost: PieceCost, recompute: str, transfer: float) -> float:
-    return cost.time + (cost.forward_time if recompute == "full" else 0.0) + transfer
-
-
-def estimate_stage(costs: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int,
-                   capacity: float, recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> StageEstimate | None:
-    """The fastest (menu, recomputation) choice of a stage that fits in `capacity` bytes."""
-    inflight = min(stages_left, num_microbatches)
-    transfer = costs.transfer if last < len(costs.blocks) - 1 else 0.0
-    best = None
-    for menu in range(menu_size(costs)):
-        cost = range_cost(costs, menu, first, last)
-        # The largest piece of the model, as in `latency_table` (an upper bound per range).
-        largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
-        transient = _largest(costs, menu, 0, len(costs.blocks) - 1, "transient_bytes")
-        for recompute in recompute_choices:
-            memory = stage_memory(cost, inflight, recompute, largest, transient)
-            if memory > capacity:
-                continue
-            latency = stage_latency(cost, recompute, transfer)
-            estimate = StageEstimate(first, last, costs.shape, costs.view, menu, recompute, latency,
-                                     cost.sync_time, cost.update_time, memory, inflight, cost.flops)
-            if best is None or stage_key(estimate, num_microbatches) < stage_key(best, num_microbatches):
-                best = estimate
-    return best
+def stage_latency(cost: dict[str, float], recompute: str, transfer: float) -> float:
+    return cost["time"] + (cost["forward_time"] if recompute == "full" else 0.0) + transfer
 
 
 def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
@@ -127,71 +93,75 @@ def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
     return estimate.latency + (estimate.sync_time + estimate.update_time) / num_microbatches
 
 
-def leanest_memory(costs: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int) -> float:
+def estimate_stage(view: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int,
+                   capacity: float, transfer: float, schedule: Schedule,
+                   recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> StageEstimate | None:
+    """The fastest (menu, recomputation) choice of a stage that fits in `capacity` bytes;
+    `transfer` is its hand-off time to the next stage."""
+    inflight = schedule.inflight(stages_left, num_microbatches)
+    best = None
+    for menu in range(view.menu_size):
+        cost = range_cost(view, menu, first, last)
+        for recompute in recompute_choices:
+            memory = stage_memory(cost, inflight, recompute)
+            if memory > capacity:
+                continue
+            estimate = StageEstimate(first, last, view.submesh, view.view, menu, recompute,
+                                     stage_latency(cost, recompute, transfer), cost["sync_time"],
+                                     cost["update_time"], memory, inflight, cost["flops"])
+            if best is None or stage_key(estimate, num_microbatches) < stage_key(best, num_microbatches):
+                best = estimate
+    return best
+
+
+def leanest_memory(view: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int,
+                   schedule: Schedule) -> float:
     """The least memory any (menu, recomputation) choice of the stage needs."""
-    inflight = min(stages_left, num_microbatches)
-    needs = []
-    for menu in range(menu_size(costs)):
-        cost = range_cost(costs, menu, first, last)
-        largest = _largest(costs, menu, 0, len(costs.blocks) - 1, "activation_bytes")
-        transient = _largest(costs, menu, 0, len(costs.blocks) - 1, "transient_bytes")
-        needs += [stage_memory(cost, inflight, r, largest, transient) for r in RECOMPUTE_CHOICES]
-    return min(needs)
+    inflight = schedule.inflight(stages_left, num_microbatches)
+    return min(stage_memory(range_cost(view, menu, first, last), inflight, r)
+               for menu in range(view.menu_size) for r in RECOMPUTE_CHOICES)
 
 
-def best_estimate(views: list[ViewCosts], first: int, last: int, stages_left: int, num_microbatches: int,
-                  capacity: float) -> StageEstimate | None:
-    """The fastest fitting estimate over the logical views of one sub-mesh."""
-    found = [estimate_stage(v, first, last, stages_left, num_microbatches, capacity) for v in views]
-    found = [e for e in found if e is not None]
-    return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None
-
-
-def latency_table(per_shape: list[list[ViewCosts]], num_layers: int, num_microbatches: int,
-                  capacity: float) -> np.ndarray:
-    """[first, last, sub-mesh, stages left] -> best stage latency over views, menu entries and
+def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
+                  num_microbatches: int, capacity: float, schedule: Schedule,
+                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> np.ndarray:
+    """[first, last, sub-mesh, stages left] -> best stage key over views, menu entries and
     recomputation (inf: nothing fits)."""
-    max_stages = num_layers
-    table = np.full((num_layers, num_layers, len(per_shape), max_stages + 1), np.inf)
+    num_layers = costs.num_layers
+    table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
     for m, views in enumerate(per_shape):
-        for costs in views:
-            for menu in range(menu_size(costs)):
-                _fill_menu(table, m, costs, menu, num_microbatches, capacity)
+        for view in views:
+            transfer = np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
+            for menu in range(view.menu_size):
+                _fill_menu(table, m, view, menu, transfer, num_microbatches, capacity, schedule, recompute_choices)
     return table
 
 
-def _fill_menu(table: np.ndarray, m: int, costs: ViewCosts, menu: int, num_microbatches: int,
-               capacity: float) -> None:
+def _fill_menu(table: np.ndarray, m: int, view: ViewCosts, menu: int, transfer: np.ndarray, num_microbatches: int,
+               capacity: float, schedule: Schedule, recompute_choices: tuple[str, ...]) -> None:
     """Vectorised over (first, last, stages left) for one menu entry."""
-    k_layers = len(costs.blocks)
-    entries = [_entry(costs.blocks[k], menu) for k in range(k_layers)]
-    embedding, head = _entry(costs.embedding, menu), _entry(costs.head, menu)
-    fields = ("time", "forward_time", "sync_time", "update_time", "static_bytes", "activation_bytes", "input_bytes")
-    prefix = {f: np.concatenate([[0.0], np.cumsum([getattr(e, f) for e in entries])]) for f in fields}
-    first = np.arange(k_layers)[:, None]
-    last = np.arange(k_layers)[None, :]
-    valid = last >= first
-    sums = {f: prefix[f][last + 1] - prefix[f][first] for f in fields}
-    for f in fields:
-        ends = np.zeros((k_layers, k_layers))
-        ends += np.where(first == 0, getattr(embedding, f), 0.0)
-        ends += np.where(last == k_layers - 1, getattr(head, f), 0.0)
-        sums[f] = sums[f] + ends
-    # Working memory and recomputed activations of the largest piece (an upper bound per range).
-    transient = max(e.transient_bytes for e in [*entries, embedding, head])
-    largest = max(e.activation_bytes for e in [*entries, embedding, head])
-    transfer = np.where(last < k_layers - 1, costs.transfer, 0.0)
-    stages = np.arange(table.shape[3])
-    inflight = np.minimum(stages, num_microbatches)[None, None, :]
-    for recompute in RECOMPUTE_CHOICES:
-        if recompute == "full":
-            memory = sums["static_bytes"][..., None] + inflight * sums["input_bytes"][..., None] + largest
-            latency = sums["time"] + sums["forward_time"] + transfer
-        else:
-            memory = sums["static_bytes"][..., None] + inflight * sums["activation_bytes"][..., None]
-            latency = sums["time"] + transfer
+    num_layers = len(view.layers)
+    entries: list[LayerCost] = [view.entry(k, menu) for k in range(num_layers)]
+    # A layer that cannot run on this view (infinite costs) rules out every range holding it;
+    # summing it would poison the prefix sums of the ranges after it.
+    usable = np.array([_usable(e) for e in entries])
+    unusable = np.concatenate([[0], np.cumsum(~usable)])
+    values = {f: [getattr(e, f) if ok else 0.0 for e, ok in zip(entries, usable, strict=True)] for f in _SUMMED}
+    prefix = {f: np.concatenate([[0.0], np.cumsum(v)]) for f, v in values.items()}
+    first = np.arange(num_layers)[:, None]
+    last = np.arange(num_layers)[None, :]
+    valid = (last >= first) & (unusable[last + 1] == unusable[first])
+    sums = {f: prefix[f][last + 1] - prefix[f][first] for f in _SUMMED}
+    # Working memory and recomputed activations of the largest layer (an upper bound per range).
+    kept = [e for e, ok in zip(entries, usable, strict=True) if ok] or entries[:1]
+    sums["transient_bytes"] = max(e.transient_bytes for e in kept)
+    sums["peak_activation_bytes"] = max(e.peak_activation_bytes for e in kept)
+    inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(table.shape[3])])[None, None, :]
+    for recompute in recompute_choices:
+        memory = stage_memory({f: (v[..., None] if isinstance(v, np.ndarray) else v) for f, v in sums.items()},
+                              inflight, recompute)
+        latency = stage_latency(sums, recompute, transfer[None, :])
         latency = latency + (sums["sync_time"] + sums["update_time"]) / num_microbatches  # see stage_key
-        memory = memory + transient
         ok = (memory <= capacity) & valid[..., None]
         ok[:, :, 0] = False
         candidate = np.where(ok, latency[..., None], np.inf)

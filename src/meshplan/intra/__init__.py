@@ -1,5 +1,6 @@
 """Intra-operator pass: strategy graph, follower merging, ILP, solver backends, IntraPlan."""
 
+from meshplan.intra.aliases import unshareable_pairs
 from meshplan.intra.ilp import build_ilp
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
@@ -11,5 +12,5 @@ from meshplan.intra.strategy_graph import Breakdown, StrategyGraph, build_strate
 __all__ = [
     "Breakdown", "ChosenStrategy", "IntraOptions", "IntraPlan", "LinearProgram", "Resharding", "SolveResult",
     "SolveStatus", "StrategyGraph", "build_ilp", "build_intra_problem", "build_strategy_graph", "solve_intra",
-    "solve_program",
+    "solve_program", "unshareable_pairs",
 ]

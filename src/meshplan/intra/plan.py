@@ -7,7 +7,8 @@ from typing import Any
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import Collective
-from meshplan.intra.solvers import SolveResult
+from meshplan.errors import PlanValidationError
+from meshplan.intra.solvers import SolveResult, SolveStatus
 from meshplan.intra.strategy_graph import Breakdown
 from meshplan.sharding.spec import ShardingSpec
 
@@ -88,13 +89,14 @@ class IntraPlan:
         return own + tuple(c for r in self.reshardings for c in r.collectives)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary."""
+        """A JSON-ready dict that `IntraPlan.from_dict` reads back exactly (the solver's raw
+        solution vector is left out)."""
         return {
             "graph": self.graph_name,
-            "mesh": {"shape": list(self.mesh.shape), "alpha": list(self.mesh.alpha), "beta": list(self.mesh.beta)},
+            "mesh": mesh_to_dict(self.mesh),
             "objective": self.objective,
             "breakdown": {"compute": self.breakdown.compute, "communication": self.breakdown.communication,
-                          "resharding": self.breakdown.resharding},
+                          "resharding": self.breakdown.resharding, "penalty": self.breakdown.penalty},
             "peak_memory_bytes": self.peak_memory,
             "memory_budget_bytes": self.memory_budget,
             "solver": {"backend": self.solve.backend, "status": self.solve.status.value,
@@ -105,8 +107,54 @@ class IntraPlan:
                         "build_s": self.build_s},
             "unsupported_ops": list(self.unsupported_ops),
             "nodes": [{"id": n.node, "name": n.name, "op": n.op, "layer": n.layer, "strategy": n.strategy,
-                       "output": str(n.output), "collectives": [str(c) for c in n.collectives]}
+                       "output": str(n.output), "operands": [str(o) for o in n.operands],
+                       "collectives": [c.to_dict() for c in n.collectives], "memory_bytes": n.memory,
+                       "compute": n.compute, "communication": n.communication}
                       for n in self.nodes],
-            "reshardings": [{"producer": r.producer, "consumer": r.consumer, "src": str(r.src), "dst": str(r.dst),
-                             "collectives": [str(c) for c in r.collectives]} for r in self.reshardings],
+            "reshardings": [{"producer": r.producer, "consumer": r.consumer, "consumer_id": r.consumer_id,
+                             "src": str(r.src), "dst": str(r.dst),
+                             "collectives": [c.to_dict() for c in r.collectives]} for r in self.reshardings],
         }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> IntraPlan:
+        """The plan `to_dict` wrote.
+
+        Raises:
+            PlanValidationError: a field is missing or has the wrong type.
+        """
+        try:
+            solver, problem, b = data["solver"], data["problem"], data["breakdown"]
+            solve = SolveResult(SolveStatus(solver["status"]), solver["objective"], solver["bound"], solver["gap"],
+                                solver["wall_s"], solver["backend"])
+            return IntraPlan(
+                data["graph"], mesh_from_dict(data["mesh"]), tuple(_chosen(n) for n in data["nodes"]),
+                data["objective"], Breakdown(b["compute"], b["communication"], b["resharding"], b["penalty"]),
+                data["peak_memory_bytes"], data["memory_budget_bytes"], solve,
+                tuple(_resharding(r) for r in data["reshardings"]), problem["shared_layers"], problem["groups"],
+                problem["variables"], problem["constraints"], problem["build_s"], tuple(data["unsupported_ops"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanValidationError(f"intra-op plan data is malformed ({type(exc).__name__}: {exc}); "
+                                      "write it again with this meshplan") from None
+
+
+def mesh_to_dict(mesh: LogicalMesh) -> dict[str, Any]:
+    return {"shape": list(mesh.shape), "alpha": list(mesh.alpha), "beta": list(mesh.beta),
+            "memory_per_device": mesh.memory_per_device, "device_ids": list(mesh.device_ids)}
+
+
+def mesh_from_dict(data: dict[str, Any]) -> LogicalMesh:
+    return LogicalMesh(tuple(data["shape"]), tuple(data["alpha"]), tuple(data["beta"]), data["memory_per_device"],
+                       tuple(data["device_ids"]))
+
+
+def _chosen(data: dict[str, Any]) -> ChosenStrategy:
+    return ChosenStrategy(data["id"], data["name"], data["op"], data["layer"], data["strategy"],
+                          ShardingSpec.parse(data["output"]), tuple(ShardingSpec.parse(o) for o in data["operands"]),
+                          tuple(Collective.from_dict(c) for c in data["collectives"]), data["memory_bytes"],
+                          data["compute"], data["communication"])
+
+
+def _resharding(data: dict[str, Any]) -> Resharding:
+    return Resharding(data["producer"], data["consumer"], data["consumer_id"], ShardingSpec.parse(data["src"]),
+                      ShardingSpec.parse(data["dst"]), tuple(Collective.from_dict(c) for c in data["collectives"]))

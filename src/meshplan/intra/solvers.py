@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class SolveResult:
     gap: float | None
     wall_s: float
     backend: str
-    values: tuple[float, ...] = ()
+    values: tuple[float, ...] = field(default=(), compare=False, repr=False)  # the raw solution vector
 
     @property
     def has_solution(self) -> bool:

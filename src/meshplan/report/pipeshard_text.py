@@ -1,8 +1,8 @@
-"""Text report of a pipeshard plan: stages, sub-meshes, predicted times and parameter layouts."""
+"""Text report of a pipeshard Plan: stages, sub-meshes, predicted times and parameter layouts."""
 
 from __future__ import annotations
 
-from meshplan.pipeshard import PipeshardPlan
+from meshplan.plan import Plan
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -17,21 +17,20 @@ def _ranges(indices: tuple[int, ...]) -> str:
     return ",".join(parts)
 
 
-def pipeshard_text(plan: PipeshardPlan) -> str:
+def pipeshard_text(plan: Plan) -> str:
     """The plan as lines of text: one header per stage, then each parameter's planned layout and
     its gradient's (R = whole, S0/S1 = split over mesh axis 0/1, per tensor dim)."""
-    lines = [f"pipeshard plan: {plan.num_stages} stage(s), {plan.num_micro_batches} micro-batch(es), "
-             f"{plan.schedule}, stage sharding {plan.stage_sharding}"]
-    if plan.search is not None:
-        lines.append(f"predicted step latency {plan.search.latency * 1e3:.3f} ms (cost model)")
+    lines = [f"pipeshard plan: {plan.num_stages} stage(s), {plan.num_microbatches} micro-batch(es), "
+             f"{plan.schedule}, stage sharding {plan.option('stage_sharding', '-')}"]
+    if plan.prediction is not None:
+        lines.append(f"predicted step latency {plan.prediction.pipeline_time_s * 1e3:.3f} ms (cost model)")
     for k, stage in enumerate(plan.stages):
-        layers = str(stage.first) if stage.first == stage.last else f"{stage.first}-{stage.last}"
-        head = (f"stage {k}: layer(s) {layers} on devices {_ranges(stage.devices)} as "
-                f"{'x'.join(map(str, stage.mesh_shape))}")
-        if plan.search is not None:
-            head += f"; predicted {plan.search.stage_latencies[k] * 1e3:.3f} ms per micro-batch"
+        head = (f"stage {k}: layer(s) {stage.layers} on devices {_ranges(stage.devices)} as "
+                f"{'x'.join(map(str, stage.logical_mesh))}")
+        if stage.latency_s is not None:
+            head += f"; predicted {stage.latency_s * 1e3:.3f} ms per micro-batch"
         lines.append(head)
-        intra = plan.layouts[k].plan if plan.layouts else None
+        intra = stage.intra_plan
         if intra is None:
             continue
         b = intra.breakdown

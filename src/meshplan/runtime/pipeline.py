@@ -13,8 +13,7 @@ inside the backward); a planned layout follows the stage's intra-op plan.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,23 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshplan.errors import MeshError, OptionsError
+from meshplan.inter.schedules import Event, Phase, make_schedule
 from meshplan.runtime.stage_layout import StageFn, StageLayout, data_parallel_layout, replicated_layout
-
-
-class Phase(enum.Enum):
-    """A pipeline step: the forward or the backward of one stage on one micro-batch."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One executed step: `phase` of `stage` on micro-batch `micro_batch`."""
-
-    stage: int
-    micro_batch: int
-    phase: Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,66 +146,6 @@ def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
 
 
 _accumulate = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
-
-
-# --- schedules ---------------------------------------------------------------------------------
-
-def _gpipe_steps(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[Event]:
-    del num_stages
-    yield from (Event(stage, m, Phase.FORWARD) for m in range(num_micro_batches))
-    yield from (Event(stage, m, Phase.BACKWARD) for m in range(num_micro_batches))
-
-
-def _one_f_one_b_steps(stage: int, num_stages: int, num_micro_batches: int) -> Iterator[Event]:
-    warmup = min(num_stages - stage - 1, num_micro_batches)
-    yield from (Event(stage, m, Phase.FORWARD) for m in range(warmup))
-    for i in range(num_micro_batches - warmup):
-        yield Event(stage, warmup + i, Phase.FORWARD)
-        yield Event(stage, i, Phase.BACKWARD)
-    yield from (Event(stage, m, Phase.BACKWARD) for m in range(num_micro_batches - warmup, num_micro_batches))
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], Iterator[Event]]] = {
-    "gpipe": _gpipe_steps,
-    "1f1b": _one_f_one_b_steps,
-}
-
-
-def _dependencies(event: Event, num_stages: int) -> set[Event]:
-    if event.phase is Phase.FORWARD:
-        return {Event(event.stage - 1, event.micro_batch, Phase.FORWARD)} if event.stage else set()
-    deps = {Event(event.stage, event.micro_batch, Phase.FORWARD)}
-    if event.stage < num_stages - 1:
-        deps.add(Event(event.stage + 1, event.micro_batch, Phase.BACKWARD))
-    return deps
-
-
-def make_schedule(schedule: str, num_stages: int, num_micro_batches: int) -> tuple[Event, ...]:
-    """The order `run_pipeline` executes steps in, by clock ticks.
-
-    At each tick every stage whose next step (in its own per-stage order) has its inputs from
-    earlier ticks runs that step; steps of one tick are listed by stage. Pure Python, no JAX.
-
-    Args:
-        schedule: a name in `SCHEDULES` ("gpipe": all forwards then all backwards per stage;
-            "1f1b": `num_stages - stage - 1` warm-up forwards, then one forward / one backward).
-        num_stages: how many stages.
-        num_micro_batches: how many micro-batches.
-    """
-    if schedule not in SCHEDULES:
-        raise OptionsError(f"unknown pipeline schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
-    queues = [list(SCHEDULES[schedule](s, num_stages, num_micro_batches)) for s in range(num_stages)]
-    done: set[Event] = set()
-    order: list[Event] = []
-    while any(queues):
-        tick = [q[0] for q in queues if q and _dependencies(q[0], num_stages) <= done]
-        if not tick:
-            raise OptionsError(f"schedule {schedule!r} deadlocks with steps {[q[0] for q in queues if q]} waiting")
-        for event in tick:
-            queues[event.stage].pop(0)
-        done.update(tick)
-        order.extend(tick)
-    return tuple(order)
 
 
 # --- execution ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,21 @@ class ShardingSpec:
         if not self.dims:
             return "R(scalar)"
         return "".join("R" if not a else "S" + "".join(map(str, a)) for a in self.dims)
+
+    @staticmethod
+    def parse(text: str) -> ShardingSpec:
+        """The spec `str(spec)` wrote, e.g. "S01R" (axes are single digits) or "R(scalar)".
+
+        Raises:
+            ValueError: the text is not a spec.
+        """
+        if text == "R(scalar)":
+            return ShardingSpec(())
+        match = re.fullmatch(r"(?:R|S\d+)+", text)
+        if match is None:
+            raise ValueError(f"{text!r} is not a sharding spec like S0R or RS01")
+        return ShardingSpec(tuple(() if part == "R" else tuple(int(a) for a in part[1:])
+                                  for part in re.findall(r"R|S\d+", text)))
 
 
 def reshape_spec(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence[int],

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 from meshplan.capture import Captured
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.intra.aliases import unshareable_pairs
 from meshplan.intra.options import IntraOptions
-from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
-from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
 
 
 class UnusedDonationWarning(UserWarning):
@@ -88,15 +87,12 @@ def drop_unplaceable(captured: Captured, donation: Donation, mesh: LogicalMesh,
     Seen: under forced data parallelism a bias gradient is all-reduced, so the update of a bias
     is offered only replicated, while Zero3Parallel offers the bias itself only split.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsupportedOpWarning)  # solve_intra already reported them
-        nodes = enumerate_strategies(captured.graph, mesh, options.cost, options.rules)
-    sg = build_strategy_graph(captured.graph, mesh, options.cost, nodes)
     requested = sorted({*donation.donated, *donation.unmatched})
     dropped = set(donation.unplaceable)
     while True:
         current = pair_donated(captured, [a for a in requested if a not in dropped])
-        bad = {a for a, r in current.pairs if not can_share(sg, captured.input_nodes[a], captured.output_nodes[r])}
+        nodes = {(captured.input_nodes[a], captured.output_nodes[r]): a for a, r in current.pairs}
+        bad = {nodes[pair] for pair in unshareable_pairs(captured.graph, mesh, options, nodes)}
         if not bad:
             return dataclasses.replace(current, unplaceable=tuple(sorted(dropped)))
         dropped |= bad
@@ -118,15 +114,6 @@ def warn_not_donated(captured: Captured, donation: Donation, where: str, stackle
             f"{where}: donated argument leaves {'; '.join(reasons)} are not donated and stay valid. Drop those "
             f"arguments from donate_argnums, or pass donate_argnums=\"auto\" to donate what can be donated "
             f"without this warning.", UnusedDonationWarning, stacklevel=stacklevel + 1)
-
-
-def can_share(sg: StrategyGraph, param: int, result: int) -> bool:
-    """Whether the strategy space offers node `param` and node `result` one layout."""
-    p_specs = [s.output for s in sg.nodes[param].strategies]
-    r_specs = [s.output for s in sg.nodes[result].strategies]
-    if sg.leader[param] == sg.leader[result]:  # one decision: choice i of both
-        return any(p == r for p, r in zip(p_specs, r_specs, strict=True))
-    return any(p == r for p in p_specs for r in r_specs)
 
 
 def _same_aval(captured: Captured, arg: int, out: int) -> bool:

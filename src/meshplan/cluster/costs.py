@@ -1,4 +1,4 @@
-"""What the runtime plans with: collective costs and FLOP/s of the devices at hand.
+"""DeviceCosts: what the runtime plans with: collective costs, FLOP/s and memory of the devices at hand.
 
 Without a cluster file the alpha/beta and FLOP/s are placeholders for local (CPU) devices,
 not measurements: they only need to rank plans sensibly. `meshplan profile-cluster` measures
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cluster.cluster import Cluster, load_cluster_file
+from meshplan.cluster.devices import DeviceSpec
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import MeshError
 
@@ -57,6 +58,22 @@ class DeviceCosts:
         d = cluster.device
         return cls(d.intra_latency, 1 / d.intra_bandwidth, d.inter_latency, 1 / d.inter_bandwidth, d.peak_flops,
                    cluster.devices_per_node, cluster.num_devices, d.memory_bytes)
+
+    def cluster(self, num_devices: int) -> Cluster:
+        """`num_devices` devices as a cluster of nodes of `devices_per_node` (default: one node),
+        with these link costs, FLOP/s and memory (unlimited when None).
+
+        Raises:
+            MeshError: `devices_per_node` does not divide `num_devices`.
+        """
+        per_node = self.devices_per_node or num_devices
+        if num_devices % per_node:
+            raise MeshError(f"{num_devices} devices do not fill nodes of {per_node}; use a multiple of "
+                            f"{per_node} devices or a cluster file measured on these devices")
+        memory = math.inf if self.memory_bytes is None else self.memory_bytes
+        device = DeviceSpec("local", self.flops_per_second, memory, 1 / self.intra_beta, self.intra_alpha,
+                            1 / self.inter_beta, self.inter_alpha, "devices at hand")
+        return Cluster(num_devices // per_node, per_node, device)
 
     def check_devices(self, count: int, where: str) -> None:
         """Raise MeshError when the costs were measured on another number of devices."""

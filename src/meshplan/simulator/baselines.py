@@ -1,6 +1,6 @@
 """Baselines priced by the same cost model: data parallel, ZeRO-2, Megatron-style (tp, pp, dp).
 
-Each baseline is a fixed family of plans evaluated with the same per-piece ILP prices and
+Each baseline is a fixed family of plans evaluated with the same per-layer ILP prices and
 stage estimates as the auto plan, so the comparison isolates the search, not the model.
 """
 
@@ -9,14 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
-from meshplan.inter.planner import (
-    PipelinePlan,
-    PlannerOptions,
-    TrainingJob,
-    pipeline_plan,
-    run_tasks,
-)
-from meshplan.inter.stages import RECOMPUTE_CHOICES, ViewCosts, estimate_stage, leanest_memory
+from meshplan.inter import InterPlan, LayerCosts, ViewCosts, get_schedule
+from meshplan.inter.stages import RECOMPUTE_CHOICES, StageEstimate, estimate_stage, handoff_time, leanest_memory
+from meshplan.simulator.job import PlannerOptions, TrainingJob
+from meshplan.simulator.planner import PipelinePlan, Priced, capacity
+from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, run_tasks
+
+_ONE_F_ONE_B = get_schedule("1f1b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +57,15 @@ def _view_index(cluster: Cluster, shape: tuple[int, int], logical: tuple[int, in
     return None
 
 
+def _task(job: TrainingJob, cluster: Cluster, key: ViewKey, options: PlannerOptions, lean: bool = True) -> PricingTask:
+    return PricingTask(key, job, cluster, job.global_batch // key.microbatch_size, options, lean)
+
+
 def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...], options: PlannerOptions,
-                      priced: dict, progress=None) -> Baseline:
+                      priced: Priced, progress=None) -> Baseline:
     """The best feasible (tp, pp, dp) grid point: equal layer counts per stage, data parallel over
     axis 0 and the intra-op ILP free on the tensor-parallel axis."""
-    tasks, points = [], []
+    tasks, points = {}, []
     for tp, pp, dp in megatron_grid(cluster):
         if pp > job.model.layers:
             continue
@@ -73,15 +76,14 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
         for b in sizes:
             if b % dp:
                 continue
-            key = ("view", b, shape, index)
+            key = ViewKey("view", b, shape, index)
             points.append((tp, pp, dp, b, key))
             if key not in priced:
-                tasks.append((key, job, cluster, shape, index, b, job.global_batch // b, options, True))
-    priced.update(run_tasks(list({t[0]: t for t in tasks}.values()), options.workers, progress,
-                            "pricing Megatron grid"))
+                tasks[key] = _task(job, cluster, key, options)
+    priced.update(run_tasks(list(tasks.values()), options.workers, progress, "pricing Megatron grid"))
     best, best_config = None, ""
     for tp, pp, dp, b, key in points:
-        costs = priced.get(key)
+        costs = priced[key].costs
         plan = uniform_pipeline(job, cluster, costs, pp, b, options) if costs else None
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best, best_config = plan, f"tp={tp} pp={pp} dp={dp} micro-batch={b}"
@@ -90,29 +92,32 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
     return Baseline("megatron", replace(best, label="megatron"), config=best_config)
 
 
-def uniform_pipeline(job: TrainingJob, cluster: Cluster, costs: ViewCosts, pp: int, b: int,
+def uniform_pipeline(job: TrainingJob, cluster: Cluster, view: ViewCosts, pp: int, b: int,
                      options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES,
                      chunks: int = 1) -> PipelinePlan | None:
-    """pp stages with (nearly) equal layer counts, all on the view `costs` was priced on; with
-    `chunks` > 1 the interleaved schedule, whose extra sends are priced too."""
+    """pp stages with (nearly) equal layer counts, all on `view`; with `chunks` > 1 the
+    interleaved schedule, whose extra sends are priced too."""
     layers, num_microbatches = job.model.layers, job.global_batch // b
-    capacity = cluster.device.memory_bytes * options.memory_fraction
+    costs = LayerCosts((view,), handoff_bytes(job, b))
     bounds = [round(j * layers / pp) for j in range(pp + 1)]
     stages = []
     for j in range(pp):
-        estimate = estimate_stage(costs, bounds[j], bounds[j + 1] - 1, pp - j, num_microbatches, capacity,
-                                  recompute)
+        last = bounds[j + 1] - 1
+        transfer = handoff_time(costs, view, last, cluster)
+        estimate = estimate_stage(view, bounds[j], last, pp - j, num_microbatches, capacity(cluster, options),
+                                  transfer, _ONE_F_ONE_B, recompute)
         if estimate is None:
             return None
         if chunks > 1 and j < pp - 1:  # each chunk boundary is one more send and receive
-            estimate = replace(estimate, latency=estimate.latency + (chunks - 1) * costs.transfer)
+            estimate = replace(estimate, latency=estimate.latency + (chunks - 1) * transfer)
         stages.append(estimate)
-    return pipeline_plan(stages, b, num_microbatches, chunks=chunks)
+    schedule = "1f1b" if chunks == 1 else "interleaved-1f1b"
+    return PipelinePlan(InterPlan(tuple(stages), num_microbatches, schedule, chunks), b)
 
 
 def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int, microbatch_size: int,
                            options: PlannerOptions, recompute: tuple[str, ...] = RECOMPUTE_CHOICES,
-                           priced: dict | None = None, chunks: int = 1) -> PipelinePlan | None:
+                           priced: Priced | None = None, chunks: int = 1) -> PipelinePlan | None:
     """Predict one given Megatron-style configuration (to compare with published runs)."""
     priced = priced if priced is not None else {}
     dp = cluster.num_devices // (tp * pp)
@@ -120,16 +125,15 @@ def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int,
     index = None if shape is None else _view_index(cluster, shape, (dp, tp))
     if index is None or microbatch_size % dp or job.global_batch % microbatch_size:
         return None
-    key = ("view", microbatch_size, shape, index)
+    key = ViewKey("view", microbatch_size, shape, index)
     if key not in priced:
-        task = (key, job, cluster, shape, index, microbatch_size, job.global_batch // microbatch_size, options, True)
-        priced.update(run_tasks([task], 1, None, "pricing configuration"))
-    costs = priced[key]
+        priced.update(run_tasks([_task(job, cluster, key, options)], 1, None, "pricing configuration"))
+    costs = priced[key].costs
     return uniform_pipeline(job, cluster, costs, pp, microbatch_size, options, recompute, chunks) if costs else None
 
 
 def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,
-                           priced: dict) -> tuple[Baseline, Baseline]:
+                           priced: Priced) -> tuple[Baseline, Baseline]:
     """Pure data parallelism over every device (weights replicated) and ZeRO-2 (gradients and
     Adam state sharded over all devices, the same communication volume)."""
     devices = cluster.num_devices
@@ -139,31 +143,34 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
     if index is None or b is None:
         reason = f"the global batch {job.global_batch} cannot be split evenly over {devices} devices"
         return Baseline("data-parallel", None, reason), Baseline("zero-2", None, reason)
-    key = ("dp", b, shape, index)
+    key = ViewKey("dp", b, shape, index)
     if key not in priced:  # gradients all-reduced: reduce-scattering them would be ZeRO-2 already
-        task = (key, job, cluster, shape, index, b, job.global_batch // b, replace(options, reduce_scatter=False),
-                False)
+        task = _task(job, cluster, key, replace(options, reduce_scatter=False), lean=False)
         priced.update(run_tasks([task], 1, None, "pricing data parallel"))
-    costs = priced[key]
+    view = priced[key].costs
     num_microbatches = job.global_batch // b
-    capacity = cluster.device.memory_bytes * options.memory_fraction
+    usable = capacity(cluster, options)
     config = f"dp={devices} micro-batch={b} ({b // devices} per device)"
     last = job.model.layers - 1
-    plain = estimate_stage(costs, 0, last, 1, num_microbatches, capacity)
+    plain = estimate_stage(view, 0, last, 1, num_microbatches, usable, 0.0, _ONE_F_ONE_B)
     # ZeRO-2 keeps the bf16 weights (2 of 16 bytes per parameter) and shards the other 14.
-    saved = _static(costs) * (1 - (2 + 14 / devices) / 16)
-    zero = estimate_stage(costs, 0, last, 1, num_microbatches, capacity + saved)
-    need = leanest_memory(costs, 0, last, 1, num_microbatches)
+    saved = _static(view) * (1 - (2 + 14 / devices) / 16)
+    zero = estimate_stage(view, 0, last, 1, num_microbatches, usable + saved, 0.0, _ONE_F_ONE_B)
+    need = leanest_memory(view, 0, last, 1, num_microbatches, _ONE_F_ONE_B)
     results = []
     for name, stage, extra in (("data-parallel", plain, 0.0), ("zero-2", zero, saved)):
         if stage is None:
             results.append(Baseline(name, None, f"needs {(need - extra) / 1e9:.1f} GB per device, "
-                                                f"{capacity / 1e9:.1f} GB usable", config))
+                                                f"{usable / 1e9:.1f} GB usable", config))
         else:
             stage = replace(stage, memory=stage.memory - extra)
-            results.append(Baseline(name, pipeline_plan([stage], b, num_microbatches, name), config=config))
+            results.append(Baseline(name, _single_stage(stage, b, num_microbatches, name), config=config))
     return results[0], results[1]
 
 
-def _static(costs: ViewCosts) -> float:
-    return sum(m[0].static_bytes for m in (*costs.blocks, costs.embedding, costs.head))
+def _single_stage(stage: StageEstimate, b: int, num_microbatches: int, label: str) -> PipelinePlan:
+    return PipelinePlan(InterPlan((stage,), num_microbatches), b, label)
+
+
+def _static(view: ViewCosts) -> float:
+    return sum(menu[0].static_bytes for menu in view.layers)

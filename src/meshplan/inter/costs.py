@@ -1,0 +1,181 @@
+"""Layer costs: what the inter-op pass is given, whoever priced the layers.
+
+A pricer (the simulator's, from model specs; the runtime's, from captured programs) plans each
+layer's training graph with the intra-op ILP on every logical view of every candidate
+sub-mesh and reads a `LayerCost` off each plan (`layer_cost`). `LayerCosts` holds them, per
+view and layer, with a menu per layer (the fastest plan first, then plans that hold less
+memory for more time), plus the bytes each layer hands to the next. The inter-op pass
+(meshplan.inter.search) turns them into a latency table, runs the stage DP and places the
+stages; it never sees a model or a program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from meshplan.intra.plan import IntraPlan
+from meshplan.ir import Graph, OpKind
+from meshplan.ir.counting import node_flops
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """What a layer costs one device of a logical mesh (seconds, bytes).
+
+    Attributes:
+        time: forward + backward of one micro-batch (compute, communication, resharding).
+        forward_time: the forward part (run again under activation recomputation).
+        sync_time: gradient synchronisation, once per iteration.
+        update_time: the optimizer step, once per iteration.
+        static_bytes: weights, fp32 master copy, optimizer state and gradients held all along.
+        activation_bytes: forward values kept for the backward pass, per micro-batch.
+        input_bytes: the layer's input activations per micro-batch (all that is kept when the
+            layer is recomputed).
+        transient_bytes: working memory of one micro-batch beyond the above.
+        flops: forward + backward FLOPs of one micro-batch (all devices together).
+        peak_activation_bytes: the activations of the largest piece of the layer (a layer may
+            stack pieces, e.g. the embedding and the first block), live at once when the layer
+            is recomputed; -1 means `activation_bytes`.
+    """
+
+    time: float
+    forward_time: float
+    sync_time: float
+    update_time: float
+    static_bytes: float
+    activation_bytes: float
+    input_bytes: float
+    transient_bytes: float
+    flops: float
+    peak_activation_bytes: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.peak_activation_bytes < 0:
+            object.__setattr__(self, "peak_activation_bytes", self.activation_bytes)
+
+    def stacked(self, other: LayerCost) -> LayerCost:
+        """Two pieces run one after the other as one layer: times and held bytes add up; the
+        working memory and the recomputed activations are those of the larger piece."""
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        summed["transient_bytes"] = max(self.transient_bytes, other.transient_bytes)
+        summed["peak_activation_bytes"] = max(self.peak_activation_bytes, other.peak_activation_bytes)
+        return LayerCost(**summed)
+
+
+@dataclass(frozen=True, slots=True)
+class ViewCosts:
+    """Every layer's costs on one logical view of one sub-mesh shape.
+
+    Attributes:
+        submesh: the physical sub-mesh, (nodes, devices per node).
+        view: the logical mesh shape the layers were planned on.
+        layers: per layer, its menu: the fastest plan first, then leaner ones (a stage uses the
+            same menu entry for all its layers; a shorter menu repeats its last entry).
+    """
+
+    submesh: tuple[int, int]
+    view: tuple[int, ...]
+    layers: tuple[tuple[LayerCost, ...], ...]
+
+    @property
+    def devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+    @property
+    def menu_size(self) -> int:
+        return max(len(menu) for menu in self.layers)
+
+    def entry(self, layer: int, menu: int) -> LayerCost:
+        """Layer `layer`'s cost under menu entry `menu`."""
+        options = self.layers[layer]
+        return options[min(menu, len(options) - 1)]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCosts:
+    """What the inter-op pass plans from.
+
+    Attributes:
+        views: priced views; sub-mesh shapes without a view are not candidates.
+        handoff_bytes: per boundary k (after layer k), the bytes of one micro-batch's
+            activations sent to the next layer (its gradient comes back the same size).
+    """
+
+    views: tuple[ViewCosts, ...]
+    handoff_bytes: tuple[float, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.handoff_bytes) + 1
+
+    def views_of(self, submesh: tuple[int, int]) -> tuple[ViewCosts, ...]:
+        """The priced views of one sub-mesh shape."""
+        return tuple(v for v in self.views if v.submesh == submesh)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingParts:
+    """Where a layer's training graph splits, to read its costs off a plan.
+
+    Attributes:
+        forward_end: id of the last forward node; backward nodes follow it.
+        backward_end: id of the last backward node; optimizer nodes follow it.
+        weights: trainable parameter ids (their forward uses are not saved activations).
+        inputs: parameters that arrive per micro-batch (activations, cotangents, tokens): not held.
+        recompute_inputs: the inputs kept when the layer is recomputed.
+        held: nodes held all along besides the non-input parameters (e.g. accumulated gradients).
+    """
+
+    forward_end: int
+    backward_end: int
+    weights: tuple[int, ...]
+    inputs: tuple[int, ...]
+    recompute_inputs: tuple[int, ...]
+    held: tuple[int, ...]
+
+
+def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbatches: int) -> LayerCost:
+    """Read a layer's costs off the plan of its training graph.
+
+    Nodes tagged `accumulated` (gradients summed over micro-batches) count their own collectives
+    as once-per-iteration sync; nodes tagged `per_iteration` (the optimizer step) were priced
+    1/B per micro-batch by the plan and count once per iteration.
+    """
+    reshard = [0.0] * len(graph)
+    for r in plan.reshardings:
+        reshard[r.consumer_id] += sum(c.cost for c in r.collectives)
+    forward = backward = sync = update = 0.0
+    for chosen in plan.nodes:
+        node = graph[chosen.node]
+        own = sum(c.cost for c in chosen.collectives)
+        if node.attr("accumulated"):
+            sync += own
+            own = 0.0
+        compute = chosen.compute * (num_microbatches if node.attr("per_iteration") else 1)
+        cost = compute + own + reshard[chosen.node]
+        if chosen.node <= parts.forward_end:
+            forward += cost
+        elif chosen.node <= parts.backward_end:
+            backward += cost
+        else:
+            update += cost
+    inputs = set(parts.inputs)
+    static = sum(plan.nodes[n.id].memory for n in graph.parameters() if n.id not in inputs)
+    static += sum(plan.nodes[v].memory for v in parts.held)
+    activation = sum(plan.nodes[v].memory for v in _saved_activations(graph, parts))
+    input_bytes = sum(plan.nodes[v].memory for v in parts.recompute_inputs)
+    transient = max(0.0, plan.peak_memory - static - activation)
+    flops = sum(node_flops(graph, n) for n in graph.nodes[: parts.backward_end + 1])
+    return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops)
+
+
+def _saved_activations(graph: Graph, parts: TrainingParts) -> list[int]:
+    """Forward values the backward pass reads: held from a micro-batch's forward to its backward."""
+    weights = set(parts.weights)
+    saved = []
+    for node in graph.nodes[: parts.forward_end + 1]:
+        if node.id in weights or node.kind in (OpKind.BROADCAST, OpKind.CONSTANT, OpKind.IOTA):
+            continue
+        if any(user > parts.forward_end for user in graph.users(node.id)):
+            saved.append(node.id)
+    return saved

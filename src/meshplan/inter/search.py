@@ -1,0 +1,120 @@
+"""The inter-op pass: layer costs -> latency table -> stage DP -> node-aware placement.
+
+Input: `LayerCosts` (every layer priced on the logical views of the cluster's sub-mesh shapes),
+the cluster, the micro-batch count and `InterOptions`. Output: an `InterPlan`: stages in
+pipeline order, each a layer range on a placed sub-mesh with its view, menu entry,
+recomputation, latency and memory; or None when no pipeline that uses every device fits.
+Both pricers (meshplan.simulator for model specs, meshplan.parallel for captured programs)
+call `plan_pipeline`, so they share the sub-mesh shapes, views, memory rule and placement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.errors import OptionsError
+from meshplan.inter.costs import LayerCosts, ViewCosts
+from meshplan.inter.placement import place_submeshes
+from meshplan.inter.schedules import get_schedule
+from meshplan.inter.stage_dp import plan_stages
+from meshplan.inter.stages import (
+    RECOMPUTE_CHOICES,
+    StageEstimate,
+    estimate_stage,
+    handoff_time,
+    latency_table,
+    stage_key,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InterOptions:
+    """Knobs of the inter-op pass.
+
+    Attributes:
+        capacity_bytes: memory each device may use (inf: unlimited).
+        schedule: the pipeline schedule, a name in meshplan.inter.schedules.SCHEDULES.
+        recompute: recomputation choices a stage may make ("none", "full").
+        relative_bucket: bounds on the slowest stage closer than this ratio are merged
+            (0 = exact; the plan is then within that ratio of the optimum on the max term).
+    """
+
+    capacity_bytes: float = math.inf
+    schedule: str = "1f1b"
+    recompute: tuple[str, ...] = RECOMPUTE_CHOICES
+    relative_bucket: float = 0.0
+
+    def __post_init__(self) -> None:
+        get_schedule(self.schedule)
+        unknown = set(self.recompute) - set(RECOMPUTE_CHOICES)
+        if unknown or not self.recompute:
+            raise OptionsError(f"InterOptions(recompute={self.recompute!r}): use a non-empty subset of "
+                               f"{RECOMPUTE_CHOICES}")
+
+
+@dataclass(frozen=True, slots=True)
+class InterPlan:
+    """Stages in pipeline order and the schedule they run with.
+
+    Attributes:
+        stages: layer ranges on placed sub-meshes (StageEstimate.devices are global ids).
+        num_microbatches: B.
+        schedule: the schedule's name.
+        chunks: model chunks per device (interleaved 1F1B when > 1).
+    """
+
+    stages: tuple[StageEstimate, ...]
+    num_microbatches: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+    @property
+    def pipeline_time(self) -> float:
+        return get_schedule(self.schedule).latency([s.latency for s in self.stages], self.num_microbatches,
+                                                   self.chunks)
+
+    @property
+    def sync_time(self) -> float:
+        """Once per iteration, after the pipeline drains: the slowest stage's gradient sync and update."""
+        return max(s.sync_time + s.update_time for s in self.stages)
+
+    @property
+    def iteration_time(self) -> float:
+        return self.pipeline_time + self.sync_time
+
+
+def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
+                  options: InterOptions | None = None) -> InterPlan | None:
+    """The stages minimising the pipeline latency with every device used, placed on the cluster;
+    None when no such pipeline fits in memory or its sub-meshes do not tile the cluster."""
+    options = options or InterOptions()
+    schedule = get_schedule(options.schedule)
+    shapes = cluster.submesh_shapes()
+    per_shape = [costs.views_of(shape) for shape in shapes]
+    table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
+                          options.recompute)
+    sizes = [n * m for n, m in shapes]
+    found = plan_stages(table, sizes, cluster.num_devices, num_microbatches, options.relative_bucket)
+    if found is None:
+        return None
+    origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node)
+    if origins is None:
+        return None  # the sub-meshes do not tile this cluster (possible when M is not a power of two)
+    stages = []
+    for j, (slot, origin) in enumerate(zip(found.stages, origins, strict=True)):
+        estimate = best_estimate(costs, per_shape[slot.submesh], cluster, slot.first, slot.last,
+                                 len(found.stages) - j, num_microbatches, options)
+        stages.append(replace(estimate, devices=cluster.submesh_ids(shapes[slot.submesh], origin)))
+    return InterPlan(tuple(stages), num_microbatches, options.schedule)
+
+
+def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Cluster, first: int, last: int,
+                  stages_left: int, num_microbatches: int, options: InterOptions) -> StageEstimate | None:
+    """The fastest fitting estimate of layers first..last over the views of one sub-mesh shape."""
+    schedule = get_schedule(options.schedule)
+    found = [estimate_stage(v, first, last, stages_left, num_microbatches, options.capacity_bytes,
+                            handoff_time(costs, v, last, cluster), schedule, options.recompute) for v in views]
+    found = [e for e in found if e is not None]
+    return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None

@@ -1,0 +1,78 @@
+"""ParallelizedFunction: the skeleton every parallelized function shares.
+
+A function is planned and compiled once per input signature (pytree structure, shapes, dtypes)
+and the result cached; `get_plan` returns the last call's plan and `dump_debug_info` writes
+what the last call planned and compiled. Subclasses say how to build (`_build`), what the plan
+is (`_plan_of`) and which debug files to write (`_debug_files`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from meshplan.cluster.costs import DeviceCosts
+from meshplan.errors import OptionsError
+from meshplan.files import write_json_atomic, write_text_atomic
+from meshplan.runtime.abstract import signature
+
+Compiled = TypeVar("Compiled")
+DebugFile = str | dict[str, Any]  # text, or a JSON-ready value
+
+
+class ParallelizedFunction(Generic[Compiled]):
+    """A function planned and compiled per input signature; call it like the original."""
+
+    def __init__(self, fn: Callable[..., Any], method: Any, devices: Sequence[Any] | None,
+                 costs: DeviceCosts | None = None) -> None:
+        self.fn, self.method = fn, method
+        self.costs = costs or DeviceCosts()
+        self.devices = None if devices is None else tuple(devices)
+        self._cache: dict[Any, Compiled] = {}
+        self._last: Compiled | None = None
+        self.__name__ = getattr(fn, "__name__", "parallelized")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def get_plan(self) -> Any:
+        """The plan of the last call.
+
+        Raises:
+            OptionsError: the function has not been called yet.
+        """
+        return self._plan_of(self._require_last())
+
+    def dump_debug_info(self, folder: str | Path) -> tuple[Path, ...]:
+        """Write what the last call planned and compiled into `folder` (each file atomically);
+        return the paths."""
+        folder = Path(folder)
+        paths = []
+        for name, content in self._debug_files(self._require_last()).items():
+            paths.append(folder / name)
+            if isinstance(content, str):
+                write_text_atomic(paths[-1], content)
+            else:
+                write_json_atomic(paths[-1], content)
+        return tuple(paths)
+
+    def _require_last(self) -> Compiled:
+        if self._last is None:
+            raise OptionsError(f"{self.__name__} has no plan yet; call it once with example arguments first")
+        return self._last
+
+    def _compiled(self, args: tuple[Any, ...]) -> Compiled:
+        """The cached build for `args`' signature, built on first sight; it becomes the last."""
+        key = signature(args)
+        if key not in self._cache:
+            self._cache[key] = self._build(args)
+        self._last = self._cache[key]
+        return self._last
+
+    def _build(self, args: tuple[Any, ...]) -> Compiled:
+        raise NotImplementedError
+
+    def _plan_of(self, compiled: Compiled) -> Any:
+        raise NotImplementedError
+
+    def _debug_files(self, compiled: Compiled) -> dict[str, DebugFile]:
+        raise NotImplementedError

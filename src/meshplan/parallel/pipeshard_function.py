@@ -1,0 +1,237 @@
+"""PipeshardFunction: a loss function with pipeline boundaries run as a pipeline of sharded stages.
+
+On the first call with new argument shapes the function is cut at its `mark_pipeline_boundary`
+calls into layers (runtime.boundary.split_into_stages), the layers grouped into stages as the
+PipeshardParallel options say (meshplan.parallel.pipeshard, or the inter-op pass for "auto":
+meshplan.parallel.stage_pricing), each stage laid out on its sub-mesh (runtime.stage_layout:
+planned by the intra-op ILP, data parallel or replicated), and micro-batches run through
+runtime.pipeline.run_pipeline. Everything is cached per input signature. `get_plan` gives the
+pure `Plan`; the jitted layouts and the executed steps stay here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from meshplan.cluster.costs import DeviceCosts
+from meshplan.errors import OptionsError
+from meshplan.inter.schedules import Event
+from meshplan.parallel.function import DebugFile, ParallelizedFunction
+from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, stage_assignments
+from meshplan.parallel.stage_pricing import StageSearch, search_stages
+from meshplan.plan import Plan, Prediction, Stage
+from meshplan.runtime.abstract import chain_inputs, shapes_of
+from meshplan.runtime.boundary import split_into_stages
+from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
+from meshplan.runtime.pipeline import Pipeline, run_pipeline
+from meshplan.runtime.sharded import axis_names
+from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Compiled:
+    """Everything one input signature produced."""
+
+    pipeline: Pipeline
+    stages: tuple[StageAssignment, ...]
+    plan: Plan
+    search: StageSearch | None
+    example_inputs: tuple[tuple[Any, ...], ...]  # per stage: ShapeDtypeStructs of its forward's arguments
+
+
+class PipeshardFunction(ParallelizedFunction[_Compiled]):
+    """`loss_fn` run as a pipeline; call `f(params, x, targets) -> (loss, grads)`."""
+
+    def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
+                 costs: DeviceCosts | None = None) -> None:
+        super().__init__(fn, method, devices, costs)
+        self._events: tuple[Event, ...] = ()
+
+    def __call__(self, params: Sequence[Any], x: Any, targets: Any) -> tuple[jax.Array, Any]:
+        """Loss and grads, equal to `jax.value_and_grad(loss_fn)(params, x, targets)`.
+
+        Grads come back as a list (a tuple if `params` is one), one entry per layer; layer k's
+        live on the sub-mesh of the stage that holds it, laid out like its params.
+        """
+        if not isinstance(params, (list, tuple)) or not params:
+            raise OptionsError(f"{self.__name__} was called with params of type {type(params).__name__}; "
+                               f"PipeshardParallel needs a non-empty list with one params pytree per layer")
+        compiled = self._compiled((params, x, targets))
+        per_stage = [tuple(params[s.first:s.last + 1]) for s in compiled.stages]
+        result = run_pipeline(compiled.pipeline, per_stage, x, targets, self.method.num_micro_batches,
+                              self.method.schedule)
+        self._events = result.events
+        grads = [g for stage_grads in result.grads for g in stage_grads]
+        return result.loss, tuple(grads) if isinstance(params, tuple) else grads
+
+    def get_plan(self) -> Plan:
+        """The Plan of the last call: stages (layers, devices, logical mesh, intra-op plan),
+        schedule, micro-batches; with stages="auto" the inter-op pass's prediction.
+
+        Raises:
+            OptionsError: the function has not been called yet.
+        """
+        return super().get_plan()
+
+    @property
+    def last_events(self) -> tuple[Event, ...]:
+        """The steps of the last call, in dispatch order."""
+        return self._events
+
+    def get_layouts(self) -> tuple[StageLayout, ...]:
+        """Where each stage of the last call keeps its values (jitted stage functions included)."""
+        return self._require_last().pipeline.layouts
+
+    def get_stage_search(self) -> StageSearch | None:
+        """What the inter-op pass chose and from which layer costs (stages="auto"; else None)."""
+        return self._require_last().search
+
+    def _plan_of(self, compiled: _Compiled) -> Plan:
+        return compiled.plan
+
+    def _debug_files(self, compiled: _Compiled) -> dict[str, DebugFile]:
+        """Per stage k, stage_<k>_forward.hlo.txt (the compiled forward at micro-batch shapes) and
+        stage_<k>_memory.txt (its memory analysis); plan.json (the Plan); placements.json (per
+        stage its forward's input and output shardings and compile diagnostics; the last call's
+        steps as "F0.1": phase, stage, micro-batch). A stage whose forward XLA had to fully
+        rematerialize raises a RematerializationWarning."""
+        files: dict[str, DebugFile] = {}
+        placements = []
+        for k, example in enumerate(compiled.example_inputs):
+            executable, diagnostics = compile_lowered(compiled.pipeline.lower_forward(k, *example))
+            warn_if_rematerialized(diagnostics, f"{self.__name__} stage {k} forward")
+            files[f"stage_{k}_forward.hlo.txt"] = executable.as_text()
+            files[f"stage_{k}_memory.txt"] = f"{executable.memory_analysis()}\n"
+            placements.append({"inputs": [str(s) for s in jax.tree_util.tree_leaves(executable.input_shardings)],
+                               "outputs": [str(s) for s in jax.tree_util.tree_leaves(executable.output_shardings)],
+                               **diagnostics.to_dict()})
+        files["plan.json"] = compiled.plan.to_dict()
+        files["placements.json"] = {"stages": placements, "events": [e.label for e in self._events]}
+        return files
+
+    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+        params, x, targets = args
+        method = self.method
+        if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
+            raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
+                               f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
+                               f"Zero2Parallel, Zero3Parallel or TensorParallel across processes")
+        devices = list(self.devices) if self.devices is not None else jax.devices()
+        self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
+        micro_x, micro_t = (_micro_example(t, name, method.num_micro_batches)
+                            for t, name in ((x, "x"), (targets, "targets")))
+        layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
+        search = None
+        if method.stages == "auto":
+            search = search_stages(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, len(devices),
+                                   method.num_micro_batches, method.options(self.costs), self.costs, method.schedule)
+            stages = search.stages
+        else:
+            stages = stage_assignments(method, len(params), len(devices))
+        if method.stage_sharding == "data_parallel":
+            _check_data_parallel(stages, jax.tree_util.tree_leaves(micro_x)[0].shape[0], method)
+        stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
+        meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
+                       axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
+        stage_params = [tuple(shapes_of(p) for p in params[s.first:s.last + 1]) for s in stages]
+        acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
+        layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
+        pipeline = Pipeline(stage_fns, meshes, layouts=layouts)
+        return _Compiled(pipeline, stages, self._plan_record(stages, layouts, search), search,
+                         _stage_examples(pipeline, stage_params, acts, targets_shapes))
+
+    def _layouts(self, stage_fns: list[Callable[..., Any]], meshes: list[Mesh], stages: Sequence[StageAssignment],
+                 stage_params: list[Any], acts: list[Any], targets: Any) -> tuple[StageLayout, ...]:
+        """Each stage's layout; `acts[k]` is stage k's input (ShapeDtypeStructs)."""
+        last, layouts = len(stage_fns) - 1, []
+        for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
+            if self.method.stage_sharding == "auto":
+                logical = self.costs.mesh(stage.mesh_shape, stage.devices)
+                layouts.append(planned_layout(fn, mesh, logical, self.method.options(self.costs),
+                                              stage_params[k], acts[k], targets if k == last else None,
+                                              differentiate_input=k > 0, name=f"{self.__name__}.stage{k}"))
+            else:
+                default = data_parallel_layout if self.method.stage_sharding == "data_parallel" else replicated_layout
+                layouts.append(default(fn, mesh, k == last))
+        return tuple(layouts)
+
+    def _plan_record(self, stages: Sequence[StageAssignment], layouts: Sequence[StageLayout],
+                     search: StageSearch | None) -> Plan:
+        """The pure Plan of these stages; with a search, its predicted latencies and memory and
+        every layer's planned time per logical mesh (metrics "layer_s.<layer>.<mesh>")."""
+        method = self.method
+        predicted = search.inter.stages if search else (None,) * len(stages)
+        records = tuple(Stage(s.first, s.last, s.devices, s.mesh_shape, intra_plan=layout.plan,
+                              latency_s=None if e is None else e.latency, memory_bytes=None if e is None else e.memory,
+                              inflight_microbatches=None if e is None else e.inflight)
+                        for s, layout, e in zip(stages, layouts, predicted, strict=True))
+        prediction, metrics = None, ()
+        if search is not None:
+            prediction = Prediction(search.inter.iteration_time, search.inter.pipeline_time, search.inter.sync_time)
+            metrics = tuple((f"layer_s.{k}.{'x'.join(map(str, view))}", t) for k in range(search.costs.num_layers)
+                            for view, t in search.layer_times(k).items())
+        kind = method.stages if isinstance(method.stages, str) else "explicit"
+        return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
+                    prediction=prediction, metrics=metrics,
+                    options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
+
+
+def _compose(layer_fns: Sequence[Callable[..., Any]], first: int, last: int, is_last: bool) -> Callable[..., Any]:
+    """Stage function of layers first..last: `stage(params_tuple, act[, targets])`."""
+    fns = layer_fns[first:last + 1]
+
+    def stage(params: tuple[Any, ...], act: Any, *targets: Any) -> Any:
+        for j, fn in enumerate(fns):
+            act = fn(params[j], act, *targets) if is_last and j == len(fns) - 1 else fn(params[j], act)
+        return act
+
+    return stage
+
+
+def _check_data_parallel(stages: Sequence[StageAssignment], micro_batch: int, method: PipeshardParallel) -> None:
+    for k, stage in enumerate(stages):
+        if micro_batch % len(stage.devices):
+            raise OptionsError(
+                f"PipeshardParallel(stage_sharding='data_parallel') splits each micro-batch of {micro_batch} examples "
+                f"(batch / num_micro_batches={method.num_micro_batches}) over the devices of each stage, but stage "
+                f"{k} has {len(stage.devices)} devices and {micro_batch} is not divisible by {len(stage.devices)}; "
+                f"use a micro-batch size divisible by every stage's device count, or stage_sharding='auto'")
+
+
+def _stage_examples(pipeline: Pipeline, params: Sequence[Any], acts: Sequence[Any],
+                    targets: Any) -> tuple[tuple[Any, ...], ...]:
+    """Per stage, ShapeDtypeStructs (placed as the stage's layout says) of its forward's arguments."""
+    examples = []
+    for k in range(pipeline.num_stages):
+        last = k == pipeline.num_stages - 1
+        args = (params[k], acts[k], *((targets,) if last else ()))
+        shardings = (pipeline.sharding(k), pipeline.activation_sharding(k),
+                     *((pipeline.targets_sharding(),) if last else ()))
+        examples.append(tuple(_placed(a, where) for a, where in zip(args, shardings, strict=True)))
+    return tuple(examples)
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+    """`tree`'s ShapeDtypeStructs carrying `shardings` (one sharding, or a pytree prefix of them)."""
+    return jax.tree_util.tree_map(
+        lambda where, sub: jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                                                  sub), shardings, tree)
+
+
+def _micro_example(tree: Any, name: str, count: int) -> Any:
+    """The first micro-batch of `tree`, the shapes the stages are traced at."""
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree_util.tree_leaves(tree)}
+    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % count:
+        raise OptionsError(f"{name} has leading sizes {sorted(sizes, key=str)} which do not split into {count} "
+                           f"equal micro-batches; use a PipeshardParallel(num_micro_batches=...) that divides "
+                           f"the batch size")
+    size = next(iter(sizes)) // count
+    return jax.tree_util.tree_map(lambda a: a[:size], tree)
+
+

@@ -1,0 +1,248 @@
+"""SpmdFunction: one step captured, planned on one logical mesh and run sharded.
+
+On the first call with new argument shapes the function is captured (meshplan.capture),
+planned on a logical mesh of the visible devices (solve_intra), jitted as planned
+(execute_sharded) and compiled at once, counting XLA's involuntary full rematerializations
+(runtime.diagnostics); later calls with the same shapes reuse that executable. Donated
+arguments (donate_argnums) are paired with results of the same shape and dtype
+(parallel.donation); the pairs are planned as aliases and their buffers reused by XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from meshplan.capture import Captured, capture, tag_batch_inputs
+from meshplan.cluster.costs import DeviceCosts
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.errors import InfeasiblePlanError, OptionsError
+from meshplan.intra.plan import IntraPlan
+from meshplan.intra.solve import solve_intra
+from meshplan.ir import format_graph
+from meshplan.parallel.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
+from meshplan.parallel.function import DebugFile, ParallelizedFunction
+from meshplan.parallel.methods import SpmdMethod
+from meshplan.plan import single_stage_plan
+from meshplan.runtime.abstract import shapes_of
+from meshplan.runtime.diagnostics import CompileDiagnostics, warn_if_rematerialized
+from meshplan.runtime.sharded import ShardedFunction, execute_sharded, make_jax_mesh, partition_spec, placeable_spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Compiled:
+    """Everything one input signature produced."""
+
+    captured: Captured  # graph aliases include the donated pairs
+    plan: IntraPlan
+    sharded: ShardedFunction  # bound to its compiled executable
+    example: tuple[Any, ...]  # ShapeDtypeStructs of the (reordered) arguments
+    in_shardings: tuple[Any, ...]  # NamedShardings of the (reordered) arguments, same pytree
+    donation: Donation  # flat indices of the (reordered) arguments
+    diagnostics: CompileDiagnostics
+
+
+class SpmdFunction(ParallelizedFunction[_Compiled]):
+    """A function planned and sharded per input signature over one logical mesh.
+
+    Donated arguments (`donate_argnums`) already laid out as planned, e.g. the previous step's
+    results, are consumed: their arrays are deleted by the call. Arguments that must first be
+    moved to the planned layout (e.g. freshly made on one device) are copied, only the copy is
+    donated, and the originals stay valid.
+    """
+
+    def __init__(self, fn: Callable[..., Any], method: SpmdMethod, devices: Sequence[Any] | None,
+                 batch_argnums: tuple[int, ...], donate_argnums: tuple[int, ...] | str = (),
+                 costs: DeviceCosts | None = None) -> None:
+        super().__init__(fn, method, devices, costs)
+        self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self._compiled(args)
+        ordered = self._order(args)
+        if compiled.donation.pairs:
+            ordered = _copy_misplaced_donations(ordered, compiled)
+        # Arguments committed elsewhere (e.g. the previous step's outputs, laid out as the plan
+        # chose for outputs) are moved to the planned input layout; the executable rejects them.
+        return compiled.sharded(*jax.device_put(ordered, compiled.in_shardings))
+
+    def get_plan(self) -> IntraPlan:
+        """The IntraPlan of the last call.
+
+        Raises:
+            OptionsError: the function has not been called yet.
+        """
+        return super().get_plan()
+
+    def _plan_of(self, compiled: _Compiled) -> IntraPlan:
+        return compiled.plan
+
+    def _debug_files(self, compiled: _Compiled) -> dict[str, DebugFile]:
+        """graph.txt (captured graph, with donation aliases), plan.json (a one-stage Plan holding
+        the IntraPlan), hlo.txt (compiled HLO), memory.txt (compiled.memory_analysis()), cost.json
+        (compiled.cost_analysis()), shardings.txt (input and output shardings of the compiled
+        function), diagnostics.json (involuntary full rematerializations XLA reported while
+        compiling, with its messages; compile time; donated argument -> result pairs)."""
+        executable = compiled.sharded.executable
+        plan = single_stage_plan(compiled.plan, "parallelize", self.__name__,
+                                 options=(("method", type(self.method).__name__),))
+        return {"graph.txt": format_graph(compiled.captured.graph), "hlo.txt": executable.as_text(),
+                "memory.txt": str(executable.memory_analysis()) + "\n", "shardings.txt": _shardings_text(executable),
+                "plan.json": plan.to_dict(), "cost.json": _jsonable(executable.cost_analysis()),
+                "diagnostics.json": _diagnostics(compiled)}
+
+    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+        self._check_batch_argnums(args)
+        donated_args = self._donated_positions(args)
+        devices = list(self.devices) if self.devices is not None else jax.devices()
+        shape = self.method.mesh(len(devices))
+        ordered = self._order(args)
+        captured = capture(self._ordered_fn(len(args)), *ordered, name=self.__name__)
+        if self.method.splits_batch:
+            captured = tag_batch_inputs(captured, self._num_batch_leaves(args))
+        self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
+        mesh = self.costs.mesh(shape)
+        donation, plan = self._solve(captured, pair_donated(captured, self._donated_leaves(args, donated_args)), mesh)
+        if self.donate_argnums != "auto":  # "auto" donates what can be donated, silently
+            warn_not_donated(captured, donation, self.__name__, stacklevel=4)
+        captured = alias_donated(captured, donation)
+        jax_mesh = make_jax_mesh(mesh, devices if self.devices else None)
+        example = shapes_of(ordered)
+        sharded, diagnostics = execute_sharded(captured, plan, jax_mesh, donation.donated).compile(*example)
+        warn_if_rematerialized(diagnostics, f"{self.__name__} on mesh {mesh.name}", stacklevel=4)
+        specs = [NamedSharding(jax_mesh, partition_spec(placeable_spec(plan.strategy(n).output,
+                                                                     captured.graph[n].shape, plan.mesh)))
+                 for n in captured.input_nodes]
+        return _Compiled(captured, plan, sharded, example, jax.tree_util.tree_unflatten(captured.in_tree, specs),
+                         donation, diagnostics)
+
+    def _solve(self, captured: Captured, donation: Donation, mesh: LogicalMesh) -> tuple[Donation, IntraPlan]:
+        """Plan with the donated pairs as aliases. When that is infeasible, drop the pairs that
+        share no layout and retry, and last plan without any pair (an error then is not the
+        donation's)."""
+        options = self.method.options(self.costs)
+        solve = lambda d: solve_intra(alias_donated(captured, d).graph, mesh, options)  # noqa: E731
+        try:
+            return donation, solve(donation)
+        except InfeasiblePlanError:
+            if not donation.pairs:
+                raise
+        pruned = drop_unplaceable(captured, donation, mesh, options)
+        if pruned.pairs and pruned.pairs != donation.pairs:
+            try:
+                return pruned, solve(pruned)
+            except InfeasiblePlanError:
+                pass
+        undonated = donation.without_pairs()
+        return undonated, solve(undonated)
+
+    def _donated_positions(self, args: tuple[Any, ...]) -> tuple[int, ...]:
+        """Positions (in the caller's order) of the donated arguments."""
+        if self.donate_argnums == "auto":
+            return tuple(i for i in range(len(args)) if i not in self.batch_argnums)
+        bad = [i for i in self.donate_argnums if not 0 <= i < len(args)]
+        if bad:
+            raise OptionsError(
+                f"parallelize(..., donate_argnums={self.donate_argnums}): position(s) {bad} are out of range "
+                f"for {self.__name__} called with {len(args)} argument(s); give positions 0..{len(args) - 1}")
+        return tuple(self.donate_argnums)
+
+    def _donated_leaves(self, args: tuple[Any, ...], positions: tuple[int, ...]) -> list[int]:
+        """Flat leaf indices, in the (reordered) captured arguments, of the arguments at `positions`."""
+        order = self._argument_order(len(args))
+        leaves, start = [], 0
+        for position in order:
+            count = len(jax.tree_util.tree_leaves(args[position]))
+            if position in positions:
+                leaves.extend(range(start, start + count))
+            start += count
+        return leaves
+
+    def _order(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Batch arguments first when the method forces the batch split: the planner traces
+        the batch dim from the graph's first parameter."""
+        if not self.method.splits_batch:
+            return args
+        rest = [a for i, a in enumerate(args) if i not in self.batch_argnums]
+        return (*(args[i] for i in self.batch_argnums), *rest)
+
+    def _argument_order(self, nargs: int) -> list[int]:
+        """Caller positions in the order the captured function takes them (see `_order`)."""
+        if not self.method.splits_batch:
+            return list(range(nargs))
+        return [*self.batch_argnums, *(i for i in range(nargs) if i not in self.batch_argnums)]
+
+    def _ordered_fn(self, nargs: int) -> Callable[..., Any]:
+        if not self.method.splits_batch:
+            return self.fn
+        order = self._argument_order(nargs)
+
+        def reordered(*ordered: Any) -> Any:
+            args = [None] * nargs
+            for position, value in zip(order, ordered, strict=True):
+                args[position] = value
+            return self.fn(*args)
+
+        return reordered
+
+    def _num_batch_leaves(self, args: tuple[Any, ...]) -> int:
+        return len(jax.tree_util.tree_leaves([args[i] for i in self.batch_argnums]))
+
+    def _check_batch_argnums(self, args: tuple[Any, ...]) -> None:
+        if not self.method.splits_batch:
+            return
+        bad = [i for i in self.batch_argnums if not 0 <= i < len(args)]
+        if bad or not self.batch_argnums:
+            raise OptionsError(
+                f"{type(self.method).__name__} splits the batch arguments batch_argnums={self.batch_argnums}, "
+                f"but {self.__name__} was called with {len(args)} argument(s); pass "
+                f"parallelize(..., batch_argnums=(i, ...)) with the positions of the batch arguments")
+
+
+def _copy_misplaced_donations(ordered: tuple[Any, ...], compiled: _Compiled) -> tuple[Any, ...]:
+    """Copy donated leaves that are not yet laid out as planned, so that only copies are donated.
+
+    jax.device_put may share a buffer with its source even with may_alias=False (measured on
+    JAX 0.10 CPU: one device -> replicated keeps device 0's buffer); donating the result would
+    then delete an array the caller did not hand over laid out as planned.
+    """
+    flat, tree = jax.tree_util.tree_flatten(ordered)
+    targets = jax.tree_util.tree_leaves(compiled.in_shardings)
+    for i in compiled.donation.donated:
+        if not _is_placed(flat[i], targets[i]):
+            flat[i] = jax.numpy.array(flat[i], copy=True)
+    return jax.tree_util.tree_unflatten(tree, flat)
+
+
+def _is_placed(value: Any, sharding: Any) -> bool:
+    if not isinstance(value, jax.Array):
+        return False
+    return value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim)
+
+
+def _diagnostics(compiled: _Compiled) -> dict[str, Any]:
+    graph, captured = compiled.captured.graph, compiled.captured
+    donated = [{"argument": graph[captured.input_nodes[a]].name, "result": r} for a, r in compiled.donation.pairs]
+    not_donated = [{"argument": graph[captured.input_nodes[a]].name, "reason": "no result of its shape and dtype"}
+                   for a in compiled.donation.unmatched]
+    not_donated += [{"argument": graph[captured.input_nodes[a]].name, "reason": "no common layout with its result"}
+                    for a in compiled.donation.unplaceable]
+    return {**compiled.diagnostics.to_dict(), "donated": donated, "not_donated": not_donated}
+
+
+def _shardings_text(compiled: Any) -> str:
+    lines = [f"input {i}: {s}" for i, s in enumerate(jax.tree_util.tree_leaves(compiled.input_shardings))]
+    lines += [f"output {i}: {s}" for i, s in enumerate(jax.tree_util.tree_leaves(compiled.output_shardings))]
+    return "\n".join(lines) + "\n"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)

@@ -1,0 +1,69 @@
+"""What the simulator plans (a TrainingJob) and how (PlannerOptions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.errors import ModelSpecError, OptionsError
+from meshplan.ir import DType
+from meshplan.models.training import OPTIMIZERS
+from meshplan.models.transformer import TransformerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingJob:
+    """What to train: the model, the global batch (sequences per iteration), the sequence length."""
+
+    model: TransformerConfig
+    global_batch: int
+    seq_len: int
+    dtype: DType = DType.BF16
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ModelSpecError(f"global batch ({self.global_batch}) and sequence length ({self.seq_len}) "
+                                 "must be at least 1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ModelSpecError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def model_flops(self) -> float:
+        """Training FLOPs per iteration by the usual 6 N T rule (N parameters, T tokens)."""
+        return 6.0 * self.model.num_params() * self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerOptions:
+    """Knobs of the planner.
+
+    Attributes:
+        efficiency: fraction of the device's peak FLOP/s sustained by its kernels.
+        memory_fraction: share of device memory plans may use (the rest: runtime, fragmentation).
+        microbatch_sizes: sequences per micro-batch to try; empty = chosen from the batch.
+        max_microbatch_sizes: how many to try when chosen automatically.
+        workers: processes pricing candidates in parallel (1 = in this process).
+        relative_bucket: t_max values of the DP closer than this ratio are merged.
+        time_limit: seconds per ILP.
+        reduce_scatter: contractions may reduce-scatter their partial sums (IntraOptions); the
+            data-parallel and ZeRO-2 baselines never do (they all-reduce by definition). On by
+            default: GPU collectives run it as such, and it predicts published runs better
+            (docs/validation.md).
+    """
+
+    efficiency: float = 0.5
+    memory_fraction: float = 0.9
+    microbatch_sizes: tuple[int, ...] = ()
+    max_microbatch_sizes: int = 3
+    workers: int = 2
+    relative_bucket: float = 0.01
+    time_limit: float = 30.0
+    reduce_scatter: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:
+            raise OptionsError("efficiency and memory_fraction must be in (0, 1]")

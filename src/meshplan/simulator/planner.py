@@ -1,0 +1,162 @@
+"""Plan training of a transformer on a cluster: price the layers, run the inter-op pass, pick B.
+
+Input: a TrainingJob, a Cluster, PlannerOptions. Output: the fastest `PipelinePlan` over the
+candidate micro-batch sizes, found as in Alpa §5: for every candidate micro-batch size the
+pricer (meshplan.simulator.pricing) plans each block, the embedding and the head on every view
+of every sub-mesh shape, and the inter-op pass (meshplan.inter) cuts the layers into stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.errors import InfeasiblePlanError, OptionsError
+from meshplan.inter import InterOptions, InterPlan, LayerCosts, plan_pipeline
+from meshplan.simulator.job import PlannerOptions, TrainingJob
+from meshplan.simulator.pricing import (
+    PricingResult,
+    PricingTask,
+    Progress,
+    ViewKey,
+    batch_axis,
+    build_pieces,
+    handoff_bytes,
+    run_tasks,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """A simulated pipeline: the inter-op plan, its micro-batch size and what produced it."""
+
+    inter: InterPlan
+    microbatch_size: int
+    label: str = "auto"
+
+    @property
+    def stages(self):
+        return self.inter.stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.inter.num_microbatches
+
+    @property
+    def iteration_time(self) -> float:
+        return self.inter.iteration_time
+
+
+@dataclass(slots=True)
+class PlannerStats:
+    """Seconds per planner phase, for the report."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, phase: str, start: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
+
+
+Priced = dict[ViewKey, PricingResult]
+
+
+def microbatch_candidates(global_batch: int, nodes: int, limit: int) -> tuple[int, ...]:
+    """Divisors of the global batch spread log-uniformly, favouring sizes near the node count
+    (a micro-batch must be split over a stage's nodes)."""
+    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    useful = [d for d in divisors if max(1, nodes // 8) <= d <= max(2 * nodes, 8)] or divisors
+    if len(useful) <= limit:
+        return tuple(useful)
+    picks = {useful[round(i * (len(useful) - 1) / (limit - 1))] for i in range(limit)} if limit > 1 else {useful[-1]}
+    return tuple(sorted(picks))
+
+
+def capacity(cluster: Cluster, options: PlannerOptions) -> float:
+    """Bytes per device plans may use."""
+    return cluster.device.memory_bytes * options.memory_fraction
+
+
+def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: PlannerOptions) -> list[PricingTask]:
+    """One task per sub-mesh view whose nodes take equal shares of a micro-batch of size b
+    (uneven shares leave devices idle; Megatron-style data parallelism needs the same)."""
+    num_microbatches = job.global_batch // b
+    tasks = []
+    for shape in cluster.submesh_shapes():
+        if b % shape[0]:
+            continue
+        for index, view in enumerate(cluster.logical_views(shape)):
+            if b % view.shape[batch_axis(view)] == 0:
+                tasks.append(PricingTask(ViewKey("view", b, shape, index), job, cluster, num_microbatches, options))
+    return tasks
+
+
+def layer_costs(job: TrainingJob, b: int, priced: Priced, kind: str = "view") -> LayerCosts:
+    """The priced views of micro-batch size b as the inter-op pass takes them."""
+    views = tuple(r.costs for key, r in priced.items()
+                  if key.kind == kind and key.microbatch_size == b and r.costs is not None)
+    return LayerCosts(views, handoff_bytes(job, b))
+
+
+def inter_options(cluster: Cluster, options: PlannerOptions) -> InterOptions:
+    return InterOptions(capacity_bytes=capacity(cluster, options), relative_bucket=options.relative_bucket)
+
+
+def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
+                  progress: Progress | None = None, stats: PlannerStats | None = None,
+                  priced: Priced | None = None) -> PipelinePlan:
+    """The fastest pipeline plan over the candidate micro-batch sizes.
+
+    Args:
+        priced: a cache of priced views, filled in place (baselines reuse it).
+
+    Raises:
+        InfeasiblePlanError: no plan fits in the devices' memory (the message says how much
+            the model needs and what to change).
+    """
+    options = options or PlannerOptions()
+    stats = stats if stats is not None else PlannerStats()
+    priced = priced if priced is not None else {}
+    best = None
+    for b in planned_microbatch_sizes(job, cluster, options):
+        start = time.perf_counter()
+        build_pieces(job, b)  # workers build their own copies
+        stats.timed("training graphs", start)
+        start = time.perf_counter()
+        tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t.key not in priced]
+        priced.update(run_tasks(tasks, options.workers, progress, f"pricing sub-meshes, micro-batch {b}"))
+        stats.timed("intra-op ILPs", start)
+        start = time.perf_counter()
+        inter = plan_pipeline(layer_costs(job, b, priced), cluster, job.global_batch // b,
+                              inter_options(cluster, options))
+        stats.timed("stage DP", start)
+        if inter is not None and (best is None or inter.iteration_time < best.iteration_time):
+            best = PipelinePlan(inter, b)
+    if best is None:
+        raise InfeasiblePlanError(_no_fit_message(job, cluster, options))
+    return best
+
+
+def planned_microbatch_sizes(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> tuple[int, ...]:
+    sizes = options.microbatch_sizes or microbatch_candidates(job.global_batch, cluster.nodes,
+                                                              options.max_microbatch_sizes)
+    _check_sizes(job, sizes)
+    return tuple(sizes)
+
+
+def _check_sizes(job: TrainingJob, sizes: Iterable[int]) -> None:
+    for b in sizes:
+        if b < 1 or job.global_batch % b:
+            raise OptionsError(f"micro-batch size {b} does not divide the global batch {job.global_batch}; "
+                               "pick a divisor or change --global-batch")
+
+
+def _no_fit_message(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> str:
+    params = job.model.num_params()
+    need = 16 * params / cluster.num_devices  # weights, gradients and Adam state fully sharded
+    have = capacity(cluster, options)
+    return (f"{job.model.name} ({params / 1e9:.1f}B parameters) does not fit on {cluster.name}: mixed-precision "
+            f"Adam alone needs {16 * params / 1e9:.1f} GB, {need / 1e9:.1f} GB per device even fully sharded over "
+            f"{cluster.num_devices} devices, before activations; devices offer {have / 1e9:.1f} GB. Use more or "
+            "larger devices, a shorter sequence, or a smaller global batch.")

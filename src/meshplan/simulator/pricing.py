@@ -1,0 +1,205 @@
+"""The simulator's pricer: model pieces + the intra-op ILP -> LayerCosts for the inter-op pass.
+
+A transformer's training graph is cut into pieces (each block; the embedding, stacked onto the
+first layer; the LM head, stacked onto the last). Every piece is planned by the intra-op ILP on
+each logical view of each candidate sub-mesh, once per memory price (a menu: the fastest plan,
+then plans that hold less memory for more time), and its costs are read off the plan
+(meshplan.inter.costs.layer_cost). Identical blocks are planned once. The work is a list of
+independent `PricingTask`s, run in this process or a process pool (`run_tasks`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.model import CostModel
+from meshplan.errors import InfeasiblePlanError
+from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
+from meshplan.intra.options import IntraOptions
+from meshplan.intra.plan import IntraPlan
+from meshplan.intra.solve import solve_intra
+from meshplan.ir import DType, OpKind
+from meshplan.models.training import (
+    PieceGraph,
+    block_training_graph,
+    embedding_training_graph,
+    head_training_graph,
+)
+from meshplan.models.transformer import TransformerConfig
+from meshplan.simulator.job import PlannerOptions, TrainingJob
+
+# Memory prices tried per mesh, in units of the slowest axis' seconds per byte (holding a byte
+# costs as much as moving it once over that axis): 0 gives the fastest plan, larger prices
+# plans that shard optimizer state and weights further.
+MEMORY_PRICES = (0.0, 1.0, 16.0)
+# Seconds per byte charged on every value: breaks ties between equally fast plans towards the
+# one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
+ACTIVATION_PRICE = 1e-14
+_PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
+_PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
+
+Progress = Callable[[str, int, int], None]
+
+
+def training_parts(piece: PieceGraph) -> TrainingParts:
+    """Where a piece's training graph splits, and what it holds across micro-batches."""
+    graph = piece.graph
+    inputs = tuple(n.id for n in graph.parameters() if n.name in _PER_MICROBATCH_INPUTS)
+    held = tuple(v for v in range(len(graph)) if graph[v].attr("accumulated") and graph[v].kind not in _PASS_THROUGH)
+    activations = tuple(v for v in inputs if graph[v].name == "activations")
+    return TrainingParts(piece.forward_end, piece.backward_end, piece.weights, inputs, activations, held)
+
+
+def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
+                  memory_price: float = 0.0, time_limit: float = 30.0,
+                  force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[LayerCost, IntraPlan]:
+    """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
+    read its costs off the plan; `reduce_scatter` as in IntraOptions."""
+    options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
+                                          accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
+                                          activation_price=ACTIVATION_PRICE),
+                           force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
+                           reduce_scatter=reduce_scatter)
+    plan = solve_intra(piece.graph, mesh.with_memory(None), options)
+    return layer_cost(piece.graph, plan, training_parts(piece), num_microbatches), plan
+
+
+def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
+                 prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
+                 reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
+    """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
+    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
+                               reduce_scatter=reduce_scatter)
+    menu = [fastest]
+    unit = max(mesh.beta)
+    for factor in prices:
+        if factor <= 0:
+            continue
+        cost, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
+                                force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
+        if cost.static_bytes < menu[-1].static_bytes * 0.999:
+            menu.append(cost)
+    return tuple(menu)
+
+
+@dataclass(frozen=True, slots=True)
+class ViewKey:
+    """Which priced view: the baseline family or "view" (the auto plan), micro-batch, sub-mesh, view."""
+
+    kind: str
+    microbatch_size: int
+    submesh: tuple[int, int]
+    view_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PricingTask:
+    """Price every layer of `job` on one view of one sub-mesh: one independent unit of work.
+
+    Attributes:
+        lean: also price the leaner menu entries (memory prices > 0); otherwise only the fastest.
+    """
+
+    key: ViewKey
+    job: TrainingJob
+    cluster: Cluster
+    num_microbatches: int
+    options: PlannerOptions
+    lean: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PricingResult:
+    """A task's costs, or None with the reason it failed."""
+
+    key: ViewKey
+    costs: ViewCosts | None
+    error: str = ""
+
+
+def price_task(task: PricingTask) -> PricingResult:
+    """Run one task (in a worker process or here); a failure is returned, not raised."""
+    try:
+        return PricingResult(task.key, price_view(task))
+    except InfeasiblePlanError as exc:  # pragma: no cover - pricing runs without a memory limit
+        return PricingResult(task.key, None, str(exc))
+
+
+def price_view(task: PricingTask) -> ViewCosts:
+    """Profile the block(s), embedding and head of the job on one view; the embedding is stacked
+    onto the first layer and the head onto the last."""
+    job, cluster, key, options = task.job, task.cluster, task.key, task.options
+    mesh = cluster.logical_views(key.submesh)[key.view_index]
+    flops = cluster.device.peak_flops * options.efficiency
+    axis = batch_axis(mesh)
+    blocks, embed, head = _pieces(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
+
+    def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
+        if task.lean:
+            return profile_menu(graph, mesh, flops, task.num_microbatches, MEMORY_PRICES[:2], axis,
+                                options.reduce_scatter)
+        return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
+                              reduce_scatter=options.reduce_scatter)[0],)
+
+    menus = {moe: menu(g) for moe, g in blocks.items()}
+    layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
+    layers[0] = _stacked(menu(embed), layers[0])
+    layers[-1] = _stacked(layers[-1], menu(head))
+    return ViewCosts(key.submesh, mesh.shape, tuple(layers))
+
+
+def _stacked(first: tuple[LayerCost, ...], second: tuple[LayerCost, ...]) -> tuple[LayerCost, ...]:
+    """Two pieces' menus as one layer's: entry i of each (a shorter menu repeats its last)."""
+    size = max(len(first), len(second))
+    return tuple(first[min(i, len(first) - 1)].stacked(second[min(i, len(second) - 1)]) for i in range(size))
+
+
+def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
+    """Activations one micro-batch sends across each block boundary."""
+    per_boundary = microbatch_size * job.seq_len * job.model.hidden * job.dtype.itemsize
+    return (float(per_boundary),) * (job.model.layers - 1)
+
+
+def batch_axis(mesh: LogicalMesh) -> int:
+    """The axis a stage splits its micro-batch over: the first axis with several devices."""
+    return next((a for a, s in enumerate(mesh.shape) if s > 1), 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
+    kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
+    blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
+    return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
+            head_training_graph(model, b, seq, dtype, optimizer))
+
+
+def build_pieces(job: TrainingJob, microbatch_size: int) -> None:
+    """Build (and cache) the job's piece graphs in this process."""
+    _pieces(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
+
+
+def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:
+    return next(i for i in range(model.layers) if model.is_moe_layer(i) == moe)
+
+
+def run_tasks(tasks: list[PricingTask], workers: int, progress: Progress | None,
+              label: str) -> dict[ViewKey, PricingResult]:
+    """Run tasks, in a process pool when `workers` > 1; results keyed by each task's key."""
+    results: dict[ViewKey, PricingResult] = {}
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for done, result in enumerate(pool.map(price_task, tasks), start=1):
+                results[result.key] = result
+                if progress:
+                    progress(label, done, len(tasks))
+    else:
+        for done, task in enumerate(tasks, start=1):
+            results[task.key] = price_task(task)
+            if progress:
+                progress(label, done, len(tasks))
+    return results

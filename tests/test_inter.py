@@ -1,0 +1,125 @@
+"""The inter-op pass (layer costs -> table -> stage DP -> placement) equals exhaustive search."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.cluster import Cluster, DeviceSpec
+from meshplan.inter import InterOptions, LayerCost, LayerCosts, ViewCosts, get_schedule, plan_pipeline
+
+DEVICE = DeviceSpec("test", 1e12, 1e9, 1e9, 1e-6, 1e8, 1e-5)
+
+
+def random_costs(rng: np.random.Generator, cluster: Cluster, num_layers: int, infeasible: float) -> LayerCosts:
+    views = []
+    for shape in cluster.submesh_shapes():
+        for mesh in cluster.logical_views(shape):
+            layers = []
+            for _ in range(num_layers):
+                menu = []
+                for _ in range(int(rng.integers(1, 3))):
+                    if rng.uniform() < infeasible:
+                        menu.append(LayerCost(*(math.inf,) * 9))
+                        continue
+                    time = rng.uniform(0.1, 2.0) / mesh.num_devices ** 0.5
+                    menu.append(LayerCost(time, time / 3, 0.0, 0.0, rng.uniform(1, 40) * 1e6, rng.uniform(1, 20) * 1e6,
+                                          rng.uniform(0.1, 2) * 1e6, rng.uniform(0, 5) * 1e6, 1e9))
+                layers.append(tuple(menu))
+            views.append(ViewCosts(shape, mesh.shape, tuple(layers)))
+    return LayerCosts(tuple(views), tuple(rng.uniform(1e5, 1e7, size=num_layers - 1)))
+
+
+def best_stage(costs: LayerCosts, cluster: Cluster, shape, first, last, stages_left, b, capacity, recompute):
+    """The fastest fitting choice for one stage, written out plainly from the memory rule."""
+    best = math.inf
+    for view in costs.views_of(shape):
+        handoff = 0.0 if last == costs.num_layers - 1 else \
+            2 * (DEVICE.inter_latency + costs.handoff_bytes[last] / view.devices / DEVICE.inter_bandwidth)
+        for menu in range(view.menu_size):
+            entries = [view.entry(k, menu) for k in range(first, last + 1)]
+            every = [e for k in range(costs.num_layers) if math.isfinite((e := view.entry(k, menu)).time)]
+            if any(not math.isfinite(e.time) for e in entries):
+                continue
+            transient = max(e.transient_bytes for e in every)
+            peak = max(e.peak_activation_bytes for e in every)
+            inflight = min(stages_left, b)
+            static = sum(e.static_bytes for e in entries)
+            for r in recompute:
+                if r == "full":
+                    memory = static + inflight * sum(e.input_bytes for e in entries) + peak + transient
+                    time = sum(e.time + e.forward_time for e in entries)
+                else:
+                    memory = static + inflight * sum(e.activation_bytes for e in entries) + transient
+                    time = sum(e.time for e in entries)
+                if memory <= capacity:
+                    best = min(best, time + handoff)
+    return best
+
+
+def brute_force(costs: LayerCosts, cluster: Cluster, b: int, capacity: float, recompute) -> float:
+    shapes = cluster.submesh_shapes()
+    n = costs.num_layers
+    best = math.inf
+    for mask in range(1 << (n - 1)):
+        cuts = [k for k in range(n - 1) if mask >> k & 1]
+        ranges = list(zip([0, *(c + 1 for c in cuts)], [*cuts, n - 1], strict=True))
+        for assignment in itertools.product(shapes, repeat=len(ranges)):
+            if sum(s[0] * s[1] for s in assignment) != cluster.num_devices:
+                continue
+            latencies = [best_stage(costs, cluster, shape, first, last, len(ranges) - j, b, capacity, recompute)
+                         for j, ((first, last), shape) in enumerate(zip(ranges, assignment, strict=True))]
+            if all(math.isfinite(t) for t in latencies):
+                best = min(best, get_schedule("1f1b").latency(latencies, b))
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 10**6), layers=st.integers(1, 4), b=st.integers(1, 6),
+       capacity_mb=st.sampled_from([30, 60, 150, 1e6]), infeasible=st.sampled_from([0.0, 0.3]),
+       recompute=st.sampled_from([("none",), ("none", "full")]), cluster=st.sampled_from([(1, 4), (2, 2), (1, 2)]))
+def test_plan_pipeline_equals_exhaustive_search(seed, layers, b, capacity_mb, infeasible, recompute, cluster):
+    cluster = Cluster(*cluster, DEVICE)
+    costs = random_costs(np.random.default_rng(seed), cluster, layers, infeasible)
+    options = InterOptions(capacity_bytes=capacity_mb * 1e6, recompute=recompute)
+    plan = plan_pipeline(costs, cluster, b, options)
+    want = brute_force(costs, cluster, b, capacity_mb * 1e6, recompute)
+    if plan is None:
+        assert math.isinf(want)
+        return
+    assert plan.pipeline_time == pytest.approx(want, rel=1e-12)
+    assert [s.first for s in plan.stages] == [0, *(s.last + 1 for s in plan.stages[:-1])]
+    assert plan.stages[-1].last == layers - 1
+    assert sorted(i for s in plan.stages for i in s.devices) == list(range(cluster.num_devices))
+    assert all(s.memory <= capacity_mb * 1e6 for s in plan.stages)
+    for s in plan.stages:  # placed as sub-meshes of the cluster: whole nodes or part of one node
+        nodes = {i // cluster.devices_per_node for i in s.devices}
+        assert len(nodes) == s.submesh[0] and len(s.devices) == s.submesh[0] * s.submesh[1]
+
+
+def test_an_infeasible_layer_does_not_block_ranges_without_it():
+    """Layer 1 cannot run on one device; layers 0 and 2 can, and the ranges around it stay open."""
+    cluster = Cluster(1, 2, DEVICE)
+    ok, bad = LayerCost(1.0, 0.3, 0, 0, 1e6, 1e6, 1e5, 1e5, 1e9), LayerCost(*(math.inf,) * 9)
+    views = (ViewCosts((1, 1), (1, 1), ((ok,), (bad,), (ok,))),
+             ViewCosts((1, 2), (1, 2), ((ok,), (ok,), (ok,))))
+    plan = plan_pipeline(LayerCosts(views, (1.0, 1.0)), cluster, 4)
+    assert plan is not None
+    assert all(not (s.first <= 1 <= s.last) or s.submesh == (1, 2) for s in plan.stages)
+
+
+def test_gpipe_holds_every_micro_batch():
+    """Under GPipe every stage holds all B micro-batches' activations: a capacity that fits 1F1B's
+    min(stages left, B) does not fit GPipe."""
+    cluster = Cluster(1, 2, DEVICE)
+    layer = LayerCost(1.0, 0.3, 0, 0, 0.0, 10e6, 1e5, 0.0, 1e9)
+    costs = LayerCosts((ViewCosts((1, 1), (1, 1), ((layer,), (layer,))),), (1.0,))
+    one_f_one_b = plan_pipeline(costs, cluster, 8, InterOptions(capacity_bytes=25e6, recompute=("none",)))
+    assert one_f_one_b is not None and [s.inflight for s in one_f_one_b.stages] == [2, 1]
+    assert plan_pipeline(costs, cluster, 8, InterOptions(capacity_bytes=25e6, schedule="gpipe",
+                                                         recompute=("none",))) is None
