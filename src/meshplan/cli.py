@@ -171,6 +171,45 @@ def profile_cluster(
                     f"(latency {d['intra_latency'] * 1e6:.1f} us), inter-node {d['inter_bandwidth'] / 1e9:.2f} GB/s")
 
 
+@app.command()
+@user_errors
+def cfp(
+    model: Annotated[str, typer.Option(help="gpt3-125m, llama2-7b, moe-1.3b, ... or a config.json.")] = "gpt3-125m",
+    layers: Annotated[int, typer.Option(help="Transformer blocks in the stack.")] = 2,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence (0: the model's context).")] = 0,
+    mesh: Annotated[str, typer.Option(help="Logical mesh shape, e.g. 2x4.")] = "2x4",
+    mode: Annotated[str, typer.Option(help="analysis, profile, search or all.")] = "all",
+    analytic: Annotated[bool, typer.Option(help="Price combinations with the cost model instead of running.")] = False,
+    out: Annotated[str, typer.Option(help="Folder for analysis/profiles/plan/comparison JSON.")] = "cfp-out",
+    cache: Annotated[str, typer.Option(help="Profile cache folder (default: <out>/cache).")] = "",
+    runs: Annotated[int, typer.Option(help="Timed runs per program.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed runs first.")] = 2,
+    memory: Annotated[str, typer.Option(help="Memory per device, e.g. 16GB; 'none' for unlimited.")] = "none",
+    max_combinations: Annotated[int, typer.Option(help="Most strategy combinations per segment.")] = 64,
+    statistic: Annotated[str, typer.Option(help="Profiled time the search uses: min, median or mean.")] = "min",
+    full_size: Annotated[bool, typer.Option(help="Keep the preset's sizes (default: reduced for CPUs).")] = False,
+    dtype: Annotated[str, typer.Option(help="Element type: f32, bf16, f16.")] = "f32",
+    cluster_file: Annotated[str, typer.Option(help="Costs measured by `meshplan profile-cluster`.")] = "",
+    hidden: Annotated[int, typer.Option(help="Override the hidden size (0: the preset's).")] = 0,
+    heads: Annotated[int, typer.Option(help="Override the attention heads.")] = 0,
+    ffn: Annotated[int, typer.Option(help="Override the MLP width.")] = 0,
+    experts: Annotated[int, typer.Option(help="Override the MoE experts.")] = 0,
+) -> None:
+    """CFP: group operators into ParallelBlocks, profile each unique segment's strategy
+    combinations, and search one strategy per block (see docs/cfp.md)."""
+    from meshplan.cfp.run import CfpRun, run_cfp
+
+    budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
+    request = CfpRun(model, layers, batch, seq_len, parse_mesh_shape(mesh), mode.lower(), analytic, out, cache, runs,
+                     warmup, budget, max_combinations, statistic, not full_size, dtype, cluster_file, hidden, heads,
+                     ffn, experts)
+    console = Console(highlight=False)
+    with _progress(enabled=True) as progress:
+        written = run_cfp(request, lambda line: console.print(line, markup=False, soft_wrap=True), progress)
+    console.print("wrote " + ", ".join(written.values()), markup=False)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     if not text.strip():
         return ()

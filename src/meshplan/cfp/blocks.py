@@ -1,0 +1,364 @@
+"""ParallelBlocks: a graph's operators grouped around contractions (Graph + strategies -> blocks).
+
+A block starts at a contraction (dot). It takes in:
+- the operators meshplan's rules make follow it (elementwise, reshape, transpose, broadcast,
+  reduce, ...): their sharding is a function of the dot's;
+- dots that read an operand another dot of the block reads (the sibling projections q, k, v
+  of one input, or the backward dots of a training graph, which read the forward dot's weight
+  or activation): they must read it in the same layout, which fixes their strategy;
+- the chain of operators that feeds only this block and is entered by one value of another
+  block (the normalisation before a projection, a softmax before its context product): its
+  layout is the one this block reads, so the value crossing is the chain's input, not output;
+- parameters and constants it reads first, laid out as it reads them.
+
+A block's candidates are its leading dot's CFP candidates (`strategies.py`). Under each
+candidate, every other member's strategy is derived (a strategy map); a candidate is kept only
+when the whole block then runs without communication, apart from the partial-sum all-reduces
+of its own contractions. Communication happens between blocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.cfp.strategies import DotCandidate, dot_candidates
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.collectives import CollectiveKind
+from meshplan.cost.model import CostModel
+from meshplan.errors import GraphError
+from meshplan.ir.graph import Graph
+from meshplan.ir.node import OpKind
+from meshplan.sharding.resharding import resharding_collectives
+from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import NodeStrategies
+
+_LEAVES = (OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA)
+# How much communication a block member may need, lowest first: only contractions' partial-sum
+# all-reduces; also other reductions' (a reduce over a split dim: a bias gradient summed over the
+# batch in a training graph); anything (the fallback when no candidate manages the first two).
+DOTS_ONLY, PARTIAL_SUMS, ANY = 0, 1, 2
+
+
+class CommunicatingBlockWarning(UserWarning):
+    """No candidate of a block runs without communication inside; its best ones were kept."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStrategy:
+    """One candidate of a block and the strategy it implies for every member.
+
+    Attributes:
+        name: the leading contraction's candidate in CFP notation.
+        label: which group each mesh axis splits, e.g. "M0 N1".
+        choices: (node id, strategy index) for every member, in node order.
+        communication_free: members communicate only to complete partial sums (all-reduces
+            after a contraction, or after a reduction when `reduces` is set): no layout changes.
+        reduces: some non-contraction member all-reduces its partial sums.
+    """
+
+    name: str
+    label: str
+    choices: tuple[tuple[int, int], ...]
+    communication_free: bool = True
+    reduces: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelBlock:
+    """Operators that share one sharding decision.
+
+    Attributes:
+        index: position in the block sequence (ordered by leading dot).
+        lead: the leading dot's node id.
+        dots: every dot of the block (lead first).
+        members: every node of the block, ascending.
+        strategies: the kept candidates.
+        dropped: candidates dropped, each with the member that would communicate.
+    """
+
+    index: int
+    lead: int
+    dots: tuple[int, ...]
+    members: tuple[int, ...]
+    strategies: tuple[BlockStrategy, ...]
+    dropped: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def communication_free(self) -> bool:
+        return all(s.communication_free for s in self.strategies)
+
+
+def leaders(graph: Graph, strategies: Sequence[NodeStrategies]) -> tuple[int, ...]:
+    """Per node, the node whose strategy index it shares (itself when it chooses freely)."""
+    lead: list[int] = []
+    for ns in strategies:
+        lead.append(ns.node if ns.follows is None else lead[graph[ns.node].operands[ns.follows]])
+    return tuple(lead)
+
+
+def find_blocks(graph: Graph, mesh: LogicalMesh, model: CostModel,
+                strategies: Sequence[NodeStrategies]) -> tuple[tuple[ParallelBlock, ...], tuple[int, ...]]:
+    """The ParallelBlocks of `graph` and the block of every node.
+
+    Raises:
+        GraphError: the graph has no contraction.
+    """
+    dots = [n.id for n in graph.nodes if n.kind is OpKind.DOT]
+    if not dots:
+        raise GraphError(f"graph {graph.name!r} has no contraction (dot): CFP's ParallelBlocks start at "
+                         "contractions, so there is nothing to plan; use a model with matrix products, or "
+                         "plan this graph with the ILP (meshplan intra)")
+    lead = leaders(graph, strategies)
+    split: set[int] = set()
+    while True:
+        block_dots = group_dots(graph, dots, split)
+        owner = assign_owners(graph, lead, block_dots)
+        resolver = _Resolver(graph, mesh, model, strategies, lead)
+        blocks, unmatched = [], None
+        for index, members_dots in enumerate(block_dots):
+            members = tuple(v for v in range(len(graph)) if owner[v] == index)
+            block, unmatched = resolver.block(index, members_dots, members)
+            if unmatched is not None:
+                break
+            blocks.append(block)
+        if unmatched is None:
+            return tuple(blocks), owner
+        split.add(unmatched)  # a joined dot no candidate can derive: it leads a block of its own
+
+
+def group_dots(graph: Graph, dots: Sequence[int], split: set[int] = frozenset()) -> list[tuple[int, ...]]:
+    """Dots grouped into blocks: a dot joins the first block whose dots read one of its
+    (non-constant) operands; `split` dots always lead their own block."""
+    blocks: list[list[int]] = []
+    reader: dict[int, int] = {}  # operand node -> block of the first dot that reads it
+    for dot in dots:
+        shared = [reader[o] for o in graph[dot].operands if o in reader and graph[o].kind is not OpKind.CONSTANT]
+        if shared and dot not in split:
+            index = min(shared)
+            blocks[index].append(dot)
+        else:
+            index = len(blocks)
+            blocks.append([dot])
+        for o in graph[dot].operands:
+            reader.setdefault(o, index)
+    return [tuple(b) for b in blocks]
+
+
+def assign_owners(graph: Graph, lead: Sequence[int], block_dots: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The block of every node (see the module docstring for the rules)."""
+    block_of_dot = {d: b for b, ds in enumerate(block_dots) for d in ds}
+    owner: list[int | None] = [block_of_dot.get(lead[v]) for v in range(len(graph))]
+    _move_feeding_chains(graph, owner, block_of_dot)
+    for v in reversed(range(len(graph))):  # leaf-led nodes (and leaves): the block of their first user
+        if owner[v] is None:
+            owner[v] = _first_user_block(graph, v, owner)
+    for v in range(len(graph)):  # leaves no block reads (a graph output only): the block of the last node
+        if owner[v] is None:
+            owner[v] = max((o for o in owner if o is not None), default=0)
+    return tuple(owner)
+
+
+def _first_user_block(graph: Graph, v: int, owner: list[int | None]) -> int | None:
+    for user in graph.users(v):
+        if owner[user] is not None:
+            return owner[user]
+    return None
+
+
+def _move_feeding_chains(graph: Graph, owner: list[int | None], block_of_dot: dict[int, int]) -> None:
+    """Move to block C every chain of non-dot nodes of a block P whose results feed only C and
+    which is entered by a single value of P (that value stays in P)."""
+    outputs = set(graph.outputs)
+    movable = lambda v: (owner[v] is not None and v not in block_of_dot and v not in outputs
+                         and graph[v].kind not in _LEAVES)
+    target: dict[int, int] = {}  # node -> block its chain feeds
+    for v in reversed(range(len(graph))):
+        if not movable(v) or not graph.users(v):
+            continue
+        feeds = {target.get(u, owner[u]) for u in graph.users(v)}
+        if len(feeds) == 1 and None not in feeds and feeds != {owner[v]}:
+            target[v] = feeds.pop()
+    for chain in _components(graph, target):
+        p, c = owner[chain[0]], target[chain[0]]
+        inside = set(chain)
+        entries = {o for v in chain for o in graph[v].operands
+                   if o not in inside and owner[o] == p and graph[o].kind not in _LEAVES}
+        if len(entries) == 1:
+            for v in chain:
+                owner[v] = c
+
+
+def is_local_slice(src: ShardingSpec, dst: ShardingSpec) -> bool:
+    """Every device already holds its `dst` piece under `src`: each dim's `src` axes are the
+    leading (major) axes of its `dst` axes."""
+    return all(d[:len(a)] == a for a, d in zip(src.dims, dst.dims, strict=True))
+
+
+def _components(graph: Graph, target: dict[int, int]) -> list[list[int]]:
+    """The connected pieces of the nodes in `target` that share a source and a target block."""
+    seen: set[int] = set()
+    pieces = []
+    for start in sorted(target):
+        if start in seen:
+            continue
+        piece, stack = [], [start]
+        seen.add(start)
+        while stack:
+            v = stack.pop()
+            piece.append(v)
+            for w in (*graph[v].operands, *graph.users(v)):
+                if w in target and w not in seen and target[w] == target[v]:
+                    seen.add(w)
+                    stack.append(w)
+        pieces.append(sorted(piece))
+    return pieces
+
+
+class _Resolver:
+    """Derives the strategy of every member of a block under each of its candidates."""
+
+    def __init__(self, graph: Graph, mesh: LogicalMesh, model: CostModel, strategies: Sequence[NodeStrategies],
+                 lead: Sequence[int]) -> None:
+        self.graph, self.mesh, self.model = graph, mesh, model
+        self.strategies, self.lead = strategies, lead
+        self._reshards: dict = {}
+
+    def block(self, index: int, dots: tuple[int, ...], members: tuple[int, ...]
+              ) -> tuple[ParallelBlock | None, int | None]:
+        """The block with its candidates, or (None, dot) when a joined dot fits no candidate."""
+        candidates = dot_candidates(self.graph, self.graph[dots[0]], self.mesh, self.strategies[dots[0]])
+        kept, dropped, failures = [], [], []
+        for candidate in candidates:
+            choice, level, failed = self._derive(candidate, dots, members, PARTIAL_SUMS)
+            if failed is None:
+                kept.append(self._strategy(candidate, choice, level, members))
+            else:
+                dropped.append((candidate.name, self.graph[failed].label))
+                failures.append(failed)
+        joined = [f for f in failures if f in dots[1:]]
+        if not kept and joined and len(joined) == len(failures):
+            return None, joined[0]
+        if not kept:
+            kept = [self._strategy(c, *self._derive(c, dots, members, ANY)[:2], members) for c in candidates]
+            warnings.warn(f"block {index} (led by {self.graph[dots[0]].label}) communicates inside under every "
+                          f"candidate (first: {dropped[0][1] if dropped else '?'}); its candidates are kept with "
+                          f"their cheapest layouts", CommunicatingBlockWarning, stacklevel=3)
+        return ParallelBlock(index, dots[0], dots, members, tuple(kept), tuple(dropped)), None
+
+    def _strategy(self, candidate: DotCandidate, choice: dict[int, int], level: int,
+                  members: tuple[int, ...]) -> BlockStrategy:
+        return BlockStrategy(candidate.name, candidate.label, tuple((v, choice[self.lead[v]]) for v in members),
+                             level <= PARTIAL_SUMS, level == PARTIAL_SUMS)
+
+    def _derive(self, candidate: DotCandidate, dots: tuple[int, ...], members: tuple[int, ...],
+                most: int) -> tuple[dict[int, int], int, int | None]:
+        """Group leader -> strategy index for every group of the block, the highest
+        communication level any group needed, and the first member that needs more than
+        `most` (None when none does)."""
+        member_set = set(members)
+        groups: dict[int, list[int]] = {}
+        for v in members:
+            groups.setdefault(self.lead[v], []).append(v)
+        choice = {dots[0]: candidate.index}
+        order = [d for d in dots[1:] if d in groups]
+        order += sorted((g for g in groups if g not in choice and g not in order), key=lambda g: -max(groups[g]))
+        level = next((lv for lv in range(most + 1)
+                      if self._check(groups[dots[0]], choice, member_set, lv) is None), None)
+        failed = None if level is not None else groups[dots[0]][0]
+        level = level or 0
+        for g in order:
+            best, used, best_failed = self._best(g, groups[g], self._options(g, candidate, dots), choice,
+                                                 member_set, most)
+            choice[g] = best
+            level = max(level, used)
+            failed = failed if failed is not None else best_failed
+        return choice, level, failed
+
+    def _options(self, group: int, candidate: DotCandidate, dots: tuple[int, ...]) -> list[list[int]]:
+        """Strategy indices to try for a group, in tiers: a joined dot first tries the lead's
+        axis-to-group pattern, then any CFP candidate, then any strategy."""
+        every = list(range(len(self.strategies[group].strategies)))
+        if group not in dots:
+            return [every]
+        own = dot_candidates(self.graph, self.graph[group], self.mesh, self.strategies[group])
+        same = [c.index for c in own if c.groups == candidate.groups]
+        return [same, [c.index for c in own], every]
+
+    def _best(self, group: int, nodes: list[int], tiers: list[list[int]], choice: dict[int, int],
+              member_set: set[int], most: int) -> tuple[int, int, int | None]:
+        """(index, level, failed): the cheapest index of the first tier that runs at the lowest
+        communication level, trying levels up to `most`; ANY counts resharding in the cost."""
+        for level in range(most + 1):
+            for tier in tiers:
+                scored = [(self._cost(nodes, {**choice, group: i}, member_set), i) for i in tier
+                          if self._check(nodes, {**choice, group: i}, member_set, level) is None]
+                if scored:
+                    return min(scored)[1], level, None
+        return tiers[-1][0], most, nodes[0]
+
+    def _check(self, nodes: list[int], choice: dict[int, int], member_set: set[int], level: int) -> int | None:
+        """The first node of `nodes` that communicates beyond `level` under `choice` (only edges
+        to members whose group is chosen count), or None."""
+        if level >= ANY:
+            return None
+        for v in nodes:
+            s = self._chosen(v, choice)
+            if s.collectives and not self._own_reduction(v, s, level):
+                return v
+            if self._edge_collectives(v, choice, member_set):
+                return v
+        return None
+
+    def _own_reduction(self, v: int, s, level: int) -> bool:
+        """Whether `s`'s collectives only complete partial sums the level allows: a contraction's
+        always, any other reduction's (a reduce over a split dim) from PARTIAL_SUMS on."""
+        if self.graph[v].kind is OpKind.DOT:
+            return True
+        return level >= PARTIAL_SUMS and all(c.kind is CollectiveKind.ALL_REDUCE for c in s.collectives)
+
+    def _edge_collectives(self, v: int, choice: dict[int, int], member_set: set[int]) -> bool:
+        """Whether some edge into or out of `v` inside the block needs a collective."""
+        s = self._chosen(v, choice)
+        for operand, required in zip(self.graph[v].operands, s.operands, strict=True):
+            if operand in member_set and self.lead[operand] in choice and self._moves(
+                    operand, self._chosen(operand, choice).output, required):
+                return True
+        for user in self.graph.users(v):
+            if user in member_set and self.lead[user] in choice:
+                used = self._chosen(user, choice)
+                for position, operand in enumerate(self.graph[user].operands):
+                    if operand == v and self._moves(v, s.output, used.operands[position]):
+                        return True
+        return False
+
+    def _moves(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> bool:
+        """Whether turning `src` into `dst` moves data between devices. Beyond the cost model's
+        collectives, a split added *major* to an existing one (S1 -> S01) is not a local slice:
+        device (i, j) holds piece j of 4 but needs piece 4i + j of 8 (XLA permutes)."""
+        return bool(self._reshard(producer, src, dst)) or not is_local_slice(src, dst)
+
+    def _cost(self, nodes: list[int], choice: dict[int, int], member_set: set[int]) -> float:
+        total = 0.0
+        for v in nodes:
+            s = self._chosen(v, choice)
+            total += s.compute + s.communication
+            for operand, required in zip(self.graph[v].operands, s.operands, strict=True):
+                if operand in member_set and self.lead[operand] in choice:
+                    total += sum(c.cost for c in self._reshard(operand, self._chosen(operand, choice).output,
+                                                               required))
+        return total
+
+    def _chosen(self, v: int, choice: dict[int, int]):
+        return self.strategies[v].strategies[choice[self.lead[v]]]
+
+    def _reshard(self, producer: int, src, dst):
+        if src == dst:
+            return ()
+        node = self.graph[producer]
+        key = (node.shape, node.dtype, src, dst)
+        if key not in self._reshards:
+            self._reshards[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst, self.mesh,
+                                                         self.model)
+        return self._reshards[key]

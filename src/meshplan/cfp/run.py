@@ -1,0 +1,161 @@
+"""`meshplan cfp`: the three passes (and the comparison) on a model, with files in a folder.
+
+Modes: "analysis" (blocks and segments), "profile" (analysis + profiles into the cache),
+"search" (analysis + cached profiles + search + a measured run of the plan), "all" (every pass
+and the comparison with meshplan's ILP plan). Files written to `out` (atomically):
+analysis.json, profiles.json, plan.json (every operator's sharding), comparison.json.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshplan.cfp.analysis import Analysis, CfpOptions, analyze
+from meshplan.cfp.cache import ProfileCache
+from meshplan.cfp.models import model_graph, model_spec
+from meshplan.cfp.profile import Profiles, ProfileSettings, load_profiles, profile
+from meshplan.cfp.report import analysis_text, comparison_text, plan_text, profiles_text
+from meshplan.cfp.search import CfpPlan, search
+from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.model import CostModel
+from meshplan.errors import OptionsError
+from meshplan.files import write_json_atomic
+from meshplan.ir.counting import graph_flops
+
+MODES = ("analysis", "profile", "search", "all")
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CfpRun:
+    """What `meshplan cfp` was asked (see the command's help for each field)."""
+
+    model: str = "gpt3-125m"
+    layers: int = 2
+    batch: int = 8
+    seq_len: int = 0
+    mesh: tuple[int, ...] = (2, 4)
+    mode: str = "all"
+    analytic: bool = False
+    out: str = "cfp-out"
+    cache: str = ""
+    runs: int = 5
+    warmup: int = 2
+    memory: float | None = None
+    max_combinations: int = 64
+    statistic: str = "min"
+    reduced: bool = True
+    dtype: str = "f32"
+    cluster_file: str = ""
+    hidden: int = 0
+    heads: int = 0
+    ffn: int = 0
+    experts: int = 0
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise OptionsError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+
+    @property
+    def cache_folder(self) -> Path:
+        return Path(self.cache) if self.cache else Path(self.out) / "cache"
+
+
+def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Run the passes `run.mode` asks for; print with `say`; return what was written."""
+    run.check()
+    spec = model_spec(run.model, run.layers, run.batch, run.seq_len, run.reduced, run.dtype, hidden=run.hidden,
+                      heads=run.heads, ffn=run.ffn, experts=run.experts)
+    say(f"model {spec.describe()}")
+    if run.mode != "analysis":
+        _devices_for(run.mesh)
+    mesh, cost = _mesh_and_cost(run)
+    analysis = analyze(model_graph(spec), mesh, CfpOptions(cost, run.max_combinations))
+    for line in analysis_text(analysis):
+        say(line)
+    written = {"analysis": _write(run, "analysis.json", analysis.to_dict())}
+    if run.mode == "analysis":
+        return written
+    profiles = _profiles(run, analysis, say, progress)
+    written["profiles"] = _write(run, "profiles.json", {"mode": profiles.mode, "segments": [
+        p.to_dict() for p in profiles.segments]})
+    if run.mode == "profile":
+        return written
+    plan, measured = _search(run, analysis, profiles, say)
+    written["plan"] = _write(run, "plan.json", plan.to_dict(analysis) | {"measured": _measured_dict(measured)})
+    if run.mode == "all":
+        written["comparison"] = _compare(run, analysis, profiles, plan, measured, say)
+    return written
+
+
+def _profiles(run: CfpRun, analysis: Analysis, say: Say, progress) -> Profiles:
+    cache = ProfileCache(run.cache_folder)
+    if run.mode == "search":
+        profiles = load_profiles(analysis, cache, run.analytic)
+    else:
+        settings = ProfileSettings(run.analytic, run.runs, run.warmup, run.memory)
+        start = time.perf_counter()
+        profiles = profile(analysis, settings, cache, progress)
+        say(f"profiled {len(profiles.segments) - len(profiles.cached)} segment(s) in "
+            f"{time.perf_counter() - start:.1f} s ({len(profiles.cached)} from the cache {cache.folder})")
+    for line in profiles_text(analysis, profiles):
+        say(line)
+    return profiles
+
+
+def _search(run: CfpRun, analysis: Analysis, profiles: Profiles, say: Say):
+    from meshplan.cfp.measure import measure
+
+    plan = search(analysis, profiles, run.memory, run.statistic)
+    measured = measure(analysis.graph, analysis.node_strategies(plan.block_choice), analysis.mesh, run.runs,
+                       run.warmup)
+    for line in plan_text(analysis, plan, measured, graph_flops(analysis.graph)):
+        say(line)
+    return plan, measured
+
+
+def _compare(run: CfpRun, analysis: Analysis, profiles: Profiles, plan: CfpPlan, measured, say: Say) -> str:
+    from meshplan.cfp.compare import Comparison, combination_rows, compare_plans, ilp_plan
+
+    table = combination_rows(analysis, profiles)
+    rows = compare_plans(analysis, plan, ilp_plan(analysis, run.memory), run.runs, run.warmup, measured)
+    comparison = Comparison(table.rows, table.rank_correlation, rows)
+    for line in comparison_text(comparison):
+        say(line)
+    return _write(run, "comparison.json", comparison.to_dict())
+
+
+def _mesh_and_cost(run: CfpRun) -> tuple[LogicalMesh, CostModel]:
+    """The logical mesh priced with the runtime's device costs (placeholders, or a cluster file)."""
+    from meshplan.runtime.defaults import DeviceCosts
+
+    costs = DeviceCosts.from_cluster(run.cluster_file) if run.cluster_file else DeviceCosts()
+    mesh = costs.mesh(tuple(run.mesh))
+    return mesh.with_memory(run.memory), CostModel(flops_per_second=costs.flops_per_second)
+
+
+def _devices_for(shape: tuple[int, ...]) -> None:
+    """On CPU, ask XLA for as many host devices as the mesh has (before JAX starts; GPUs ignore it)."""
+    count = 1
+    for size in shape:
+        count *= size
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _write(run: CfpRun, name: str, data: Any) -> str:
+    path = Path(run.out) / name
+    write_json_atomic(path, data)
+    return str(path)
+
+
+def _measured_dict(m) -> dict[str, Any]:
+    return {"status": m.status, "mean_s": m.mean_s, "std_s": m.std_s, "runs": m.runs,
+            "xla_peak_memory_bytes": m.peak_memory, "message": m.message}
