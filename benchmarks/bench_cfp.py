@@ -78,7 +78,7 @@ def compare(model: str, layers: int, costs: DeviceCosts, runs: int) -> dict:
     for name, m in measured.items():
         model_price = price(a.graph, layouts[name], a.mesh, a.options.cost)
         case[name] = {"mean_s": m.mean_s, "median_s": m.median_s, "min_s": m.min_s, "std_s": m.std_s,
-                      "runs": m.runs, "tflops": flops / m.median_s / 1e12, "cost_model_s": model_price.time,
+                      "runs": m.runs, "tflops": flops / m.mean_s / 1e12, "cost_model_s": model_price.time,
                       "volume_bytes": model_price.volume, "xla_peak_memory_bytes": m.peak_memory}
     case["load_after"] = load()
     print(f"{model}: CFP median {case['CFP']['median_s'] * 1e3:.2f} ms (predicted {plan.predicted_time * 1e3:.2f}), "

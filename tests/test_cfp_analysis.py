@@ -25,8 +25,8 @@ LAYER_BLOCKS = {
 }
 
 
-def _analysis(model: str, layers: int, mesh: LogicalMesh = MESH):
-    return analyze(model_graph(model_spec(model, layers, batch=8)), mesh)
+def _analysis(model: str, layers: int, mesh: LogicalMesh = MESH, train: bool = False):
+    return analyze(model_graph(model_spec(model, layers, batch=8, train=train)), mesh)
 
 
 def _short(label: str) -> str:
@@ -44,6 +44,17 @@ def test_one_block_per_contraction_chain(model, layers):
     assert sorted(a.owner) == sorted(b.index for b in a.blocks for _ in b.members)  # every node in one block
     assert all(g[d].kind is OpKind.DOT for b in a.blocks for d in b.dots)
     assert all(b.communication_free and b.strategies for b in a.blocks)
+
+
+@pytest.mark.parametrize("model", sorted(LAYER_BLOCKS))
+def test_training_steps_have_as_many_unique_segments_at_every_depth(model):
+    """Forward and backward: the VJP dots join their forward blocks, so a layer is still one
+    repeated block sequence (its first and last layers differ: the input gradient, the seed)."""
+    counts = {layers: len(_analysis(model, layers, train=True).segments) for layers in (2, 4, 8)}
+    assert counts[2] == counts[4] == counts[8], counts
+    a = _analysis(model, 4, train=True)
+    assert len(a.blocks) == 4 * len(LAYER_BLOCKS[model])
+    assert len(a.occurrences) > 2 * len(a.segments)
 
 
 @pytest.mark.parametrize("model", sorted(LAYER_BLOCKS))
@@ -76,20 +87,27 @@ def test_norm_before_a_projection_joins_the_block_it_feeds():
     assert a.owner[by_name["layer0.ffn_residual"]] == a.owner[by_name["layer0.mlp.down"]]
 
 
-@pytest.mark.parametrize("model", ["gpt3-125m", "llama2-7b", "moe-1.3b"])
-def test_strategy_maps_keep_blocks_free_of_communication(model):
-    """Under every candidate, the cost model finds inside each block no collective but the
-    partial-sum all-reduces of its contractions (the JAX twin compiles them: test_cfp_lower)."""
-    a = _analysis(model, 2)
+@pytest.mark.parametrize(("model", "train"), [("gpt3-125m", False), ("llama2-7b", False), ("moe-1.3b", False),
+                                            ("gpt3-125m", True), ("llama2-7b", True)])
+def test_strategy_maps_keep_blocks_free_of_communication(model, train):
+    """Under every candidate, the cost model finds inside each block no resharding and no
+    collective but partial-sum all-reduces: of its contractions, and in a training step of
+    other reductions where the candidate says so (a bias gradient over a split batch). The JAX
+    twin compiles the forward blocks: test_cfp_lower."""
+    a = _analysis(model, 2, train=train)
     for block in a.blocks:
         cut = extract(a.graph, block.members)
         for k, candidate in enumerate(block.strategies):
             layouts = a.segment_layouts(cut, (block.index,), (k,))
             p = price(cut.graph, layouts, a.mesh, a.options.cost)
-            own = [c for v, s in enumerate(layouts) if cut.graph[v].kind is OpKind.DOT for c in s.collectives]
+            kinds = (OpKind.DOT, OpKind.REDUCE) if candidate.reduces else (OpKind.DOT,)
+            own = [c for v, s in enumerate(layouts) if cut.graph[v].kind in kinds for c in s.collectives]
             assert p.resharding == 0.0, (block.index, candidate.name)
             assert list(p.collectives) == own, (block.index, candidate.name)
-            assert ("allreduce" in candidate.name) == bool(own)
+            assert all(c.kind.value == "all-reduce" for c in own)
+            assert candidate.communication_free and (train or not candidate.reduces)
+            if not train:
+                assert ("allreduce" in candidate.name) == bool(own)
 
 
 def test_candidate_names_in_cfp_notation():

@@ -25,8 +25,8 @@ MESH = LogicalMesh((2, 4), (1e-5, 1e-5), (1e-9, 1e-9))
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
 
-def _analysis(model: str, layers: int):
-    return analyze(model_graph(model_spec(model, layers, batch=8, seq_len=32)), MESH)
+def _analysis(model: str, layers: int, train: bool = False):
+    return analyze(model_graph(model_spec(model, layers, batch=8, seq_len=32, train=train)), MESH)
 
 
 @pytest.mark.parametrize(("model", "layers", "part"), [("gpt3-125m", 1, ""), ("llama2-7b", 1, ""),
@@ -59,19 +59,23 @@ def test_every_block_compiles_without_communication_inside(model, layers, part):
     assert checked >= (52 if part else sum(len(b.strategies) for b in a.blocks[:6]))
 
 
-@pytest.mark.parametrize(("model", "layers"), [("gpt3-125m", 2), ("llama2-7b", 2), ("moe-1.3b", 2)])
-def test_lowered_plan_matches_the_interpreter(model, layers):
-    """A plan mixing candidates (so values are resharded between blocks) computes the model."""
-    a = _analysis(model, layers)
+@pytest.mark.parametrize(("model", "train"), [("gpt3-125m", False), ("llama2-7b", False), ("moe-1.3b", False),
+                                            ("gpt3-125m", True)])
+def test_lowered_plan_matches_the_interpreter(model, train):
+    """A plan mixing candidates (so values are resharded between blocks) computes the model:
+    its output, or in a training step every gradient."""
+    a = _analysis(model, 2, train)
     choice = tuple((3 * b.index + 1) % len(b.strategies) for b in a.blocks)
     layouts = a.node_strategies(choice)
     program = lower(a.graph, layouts, MESH, make_jax_mesh(MESH))
     args = program.example_args(a.graph, seed=3)
-    (out,) = program.jitted(*args)
-    inputs = {p: np.asarray(x) for p, x in zip(program.parameters, args, strict=True)}
-    (expected,) = [evaluate(a.graph, inputs)[v] for v in a.graph.outputs]
-    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-5)
-    assert out.sharding.spec == program.jitted.lower(*args).compile().output_shardings[0].spec
+    outs = program.jitted(*args)
+    values = evaluate(a.graph, {p: np.asarray(x) for p, x in zip(program.parameters, args, strict=True)})
+    assert len(outs) == len(a.graph.outputs) == (1 if not train else 1 + sum(
+        n.kind is OpKind.PARAMETER for n in a.graph.nodes) - 2)  # x and every weight; not the cotangent
+    for out, v in zip(outs, a.graph.outputs, strict=True):
+        np.testing.assert_allclose(np.asarray(out), values[v], rtol=2e-4, atol=2e-5)
+        assert out.sharding.spec == program.jitted.lower(*args).compile().output_shardings[0].spec or train
 
 
 def test_indexing_and_layout_ops_lower_like_the_interpreter():

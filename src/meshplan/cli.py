@@ -175,6 +175,7 @@ def profile_cluster(
 @user_errors
 def cfp(
     model: Annotated[str, typer.Option(help="gpt3-125m, llama2-7b, moe-1.3b, ... or a config.json.")] = "gpt3-125m",
+    train: Annotated[bool, typer.Option(help="Plan the training step (forward and backward).")] = False,
     layers: Annotated[int, typer.Option(help="Transformer blocks in the stack.")] = 2,
     batch: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence (0: the model's context).")] = 0,
@@ -201,9 +202,9 @@ def cfp(
     from meshplan.cfp.run import CfpRun, run_cfp
 
     budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
-    request = CfpRun(model, layers, batch, seq_len, parse_mesh_shape(mesh), mode.lower(), analytic, out, cache, runs,
-                     warmup, budget, max_combinations, statistic, not full_size, dtype, cluster_file, hidden, heads,
-                     ffn, experts)
+    request = CfpRun(model, train, layers, batch, seq_len, parse_mesh_shape(mesh), mode.lower(), analytic, out, cache,
+                     runs, warmup, budget, max_combinations, statistic, not full_size, dtype, cluster_file, hidden,
+                     heads, ffn, experts)
     console = Console(highlight=False)
     with _progress(enabled=True) as progress:
         written = run_cfp(request, lambda line: console.print(line, markup=False, soft_wrap=True), progress)

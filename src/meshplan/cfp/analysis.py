@@ -17,7 +17,6 @@ from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
 from meshplan.intra.solve import check_mesh_fits
 from meshplan.ir.graph import Graph, check_graph
-from meshplan.ir.node import OpKind
 from meshplan.sharding.context import RuleConfig
 from meshplan.sharding.enumerate import enumerate_strategies
 from meshplan.sharding.spec import ShardingSpec
@@ -80,17 +79,16 @@ class Analysis:
 
     def segment_layouts(self, cut: Extract, blocks: Sequence[int], combination: Sequence[int]) -> tuple[Strategy, ...]:
         """The strategy of every node of a standalone segment under `combination` (one
-        candidate per block of `blocks`); an input arrives as its first reader needs it."""
+        candidate per block of `blocks`); a value from outside arrives as its first reader needs
+        it, a parameter of the segment as its block lays it out."""
         index: dict[int, int] = {}
         for b, k in zip(blocks, combination, strict=True):
             index.update(self.blocks[b].strategies[k].choices)
-        layouts: list[Strategy | None] = [None] * len(cut.graph)
-        for k, v in enumerate(cut.origin):
-            if cut.graph[k].kind is not OpKind.PARAMETER:
-                layouts[k] = self.strategies[v].strategies[index[v]]
-        for k, node in enumerate(cut.graph.nodes):
-            if node.kind is OpKind.PARAMETER:
-                layouts[k] = input_strategy(cut.graph, k, layouts, self.mesh)
+        outside = set(cut.inputs)
+        layouts: list[Strategy | None] = [None if k in outside else self.strategies[v].strategies[index[v]]
+                                          for k, v in enumerate(cut.origin)]
+        for k in cut.inputs:
+            layouts[k] = input_strategy(cut.graph, k, layouts, self.mesh)
         return tuple(layouts)
 
     def to_dict(self) -> dict[str, Any]:

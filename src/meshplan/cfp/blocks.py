@@ -20,7 +20,7 @@ of its own contractions. Communication happens between blocks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from meshplan.cfp.strategies import DotCandidate, dot_candidates
@@ -128,7 +128,7 @@ def find_blocks(graph: Graph, mesh: LogicalMesh, model: CostModel,
         split.add(unmatched)  # a joined dot no candidate can derive: it leads a block of its own
 
 
-def group_dots(graph: Graph, dots: Sequence[int], split: set[int] = frozenset()) -> list[tuple[int, ...]]:
+def group_dots(graph: Graph, dots: Sequence[int], split: Collection[int] = ()) -> list[tuple[int, ...]]:
     """Dots grouped into blocks: a dot joins the first block whose dots read one of its
     (non-constant) operands; `split` dots always lead their own block."""
     blocks: list[list[int]] = []
@@ -154,7 +154,7 @@ def assign_owners(graph: Graph, lead: Sequence[int], block_dots: Sequence[tuple[
     for v in reversed(range(len(graph))):  # leaf-led nodes (and leaves): the block of their first user
         if owner[v] is None:
             owner[v] = _first_user_block(graph, v, owner)
-    for v in range(len(graph)):  # leaves no block reads (a graph output only): the block of the last node
+    for v in range(len(graph)):  # leaves no block reads (a graph output only): the last block
         if owner[v] is None:
             owner[v] = max((o for o in owner if o is not None), default=0)
     return tuple(owner)
@@ -180,7 +180,7 @@ def _move_feeding_chains(graph: Graph, owner: list[int | None], block_of_dot: di
         feeds = {target.get(u, owner[u]) for u in graph.users(v)}
         if len(feeds) == 1 and None not in feeds and feeds != {owner[v]}:
             target[v] = feeds.pop()
-    for chain in _components(graph, target):
+    for chain in _components(graph, target, owner):
         p, c = owner[chain[0]], target[chain[0]]
         inside = set(chain)
         entries = {o for v in chain for o in graph[v].operands
@@ -196,7 +196,7 @@ def is_local_slice(src: ShardingSpec, dst: ShardingSpec) -> bool:
     return all(d[:len(a)] == a for a, d in zip(src.dims, dst.dims, strict=True))
 
 
-def _components(graph: Graph, target: dict[int, int]) -> list[list[int]]:
+def _components(graph: Graph, target: dict[int, int], owner: list[int | None]) -> list[list[int]]:
     """The connected pieces of the nodes in `target` that share a source and a target block."""
     seen: set[int] = set()
     pieces = []
@@ -209,7 +209,7 @@ def _components(graph: Graph, target: dict[int, int]) -> list[list[int]]:
             v = stack.pop()
             piece.append(v)
             for w in (*graph[v].operands, *graph.users(v)):
-                if w in target and w not in seen and target[w] == target[v]:
+                if w in target and w not in seen and (target[w], owner[w]) == (target[v], owner[v]):
                     seen.add(w)
                     stack.append(w)
         pieces.append(sorted(piece))
@@ -224,6 +224,7 @@ class _Resolver:
         self.graph, self.mesh, self.model = graph, mesh, model
         self.strategies, self.lead = strategies, lead
         self._reshards: dict = {}
+        self._candidates: dict[int, tuple[DotCandidate, ...]] = {}
 
     def block(self, index: int, dots: tuple[int, ...], members: tuple[int, ...]
               ) -> tuple[ParallelBlock | None, int | None]:
@@ -282,21 +283,37 @@ class _Resolver:
         every = list(range(len(self.strategies[group].strategies)))
         if group not in dots:
             return [every]
-        own = dot_candidates(self.graph, self.graph[group], self.mesh, self.strategies[group])
+        if group not in self._candidates:
+            self._candidates[group] = dot_candidates(self.graph, self.graph[group], self.mesh, self.strategies[group])
+        own = self._candidates[group]
         same = [c.index for c in own if c.groups == candidate.groups]
         return [same, [c.index for c in own], every]
 
     def _best(self, group: int, nodes: list[int], tiers: list[list[int]], choice: dict[int, int],
               member_set: set[int], most: int) -> tuple[int, int, int | None]:
         """(index, level, failed): the cheapest index of the first tier that runs at the lowest
-        communication level, trying levels up to `most`; ANY counts resharding in the cost."""
+        communication level, trying levels up to `most`; ANY counts resharding in the cost. Ties
+        go to the layout its readers take as it is (a parameter laid out as the block reads it,
+        not sliced from a whole copy), then to the lowest index."""
         for level in range(most + 1):
             for tier in tiers:
-                scored = [(self._cost(nodes, {**choice, group: i}, member_set), i) for i in tier
+                scored = [(self._cost(nodes, {**choice, group: i}, member_set),
+                           self._slices(nodes, {**choice, group: i}, member_set), i) for i in tier
                           if self._check(nodes, {**choice, group: i}, member_set, level) is None]
                 if scored:
-                    return min(scored)[1], level, None
+                    return min(scored)[2], level, None
         return tiers[-1][0], most, nodes[0]
+
+    def _slices(self, nodes: list[int], choice: dict[int, int], member_set: set[int]) -> int:
+        """How many edges from `nodes` to chosen members hand over a layout that differs."""
+        count = 0
+        for v in nodes:
+            out = self._chosen(v, choice).output
+            for user in self.graph.users(v):
+                if user in member_set and self.lead[user] in choice:
+                    used = self._chosen(user, choice)
+                    count += sum(o == v and used.operands[p] != out for p, o in enumerate(self.graph[user].operands))
+        return count
 
     def _check(self, nodes: list[int], choice: dict[int, int], member_set: set[int], level: int) -> int | None:
         """The first node of `nodes` that communicates beyond `level` under `choice` (only edges
@@ -319,11 +336,16 @@ class _Resolver:
         return level >= PARTIAL_SUMS and all(c.kind is CollectiveKind.ALL_REDUCE for c in s.collectives)
 
     def _edge_collectives(self, v: int, choice: dict[int, int], member_set: set[int]) -> bool:
-        """Whether some edge into or out of `v` inside the block needs a collective."""
+        """Whether some edge into or out of `v` inside the block needs a collective, or a value
+        from outside that `v` reads must be laid out differently for another reader (it arrives
+        once, as its first reader in the block needs it)."""
         s = self._chosen(v, choice)
         for operand, required in zip(self.graph[v].operands, s.operands, strict=True):
-            if operand in member_set and self.lead[operand] in choice and self._moves(
-                    operand, self._chosen(operand, choice).output, required):
+            if operand not in member_set:
+                if self._readers_disagree(operand, choice, member_set):
+                    return True
+            elif self.lead[operand] in choice and self._moves(operand, self._chosen(operand, choice).output,
+                                                              required):
                 return True
         for user in self.graph.users(v):
             if user in member_set and self.lead[user] in choice:
@@ -332,6 +354,11 @@ class _Resolver:
                     if operand == v and self._moves(v, s.output, used.operands[position]):
                         return True
         return False
+
+    def _readers_disagree(self, value: int, choice: dict[int, int], member_set: set[int]) -> bool:
+        needs = [self._chosen(u, choice).operands[self.graph[u].operands.index(value)]
+                 for u in self.graph.users(value) if u in member_set and self.lead[u] in choice]
+        return any(self._moves(value, needs[0], need) for need in needs[1:])
 
     def _moves(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> bool:
         """Whether turning `src` into `dst` moves data between devices. Beyond the cost model's

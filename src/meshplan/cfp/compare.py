@@ -66,6 +66,7 @@ class Comparison:
     rows: tuple[CombinationRow, ...]
     rank_correlation: dict[int, float | None]
     plans: tuple[PlanRow, ...] = field(default=())
+    statistic: str = "min"  # which time of a combination's runs `rows` hold
 
     def by_segment(self) -> dict[int, list[CombinationRow]]:
         out: dict[int, list[CombinationRow]] = {}
@@ -78,7 +79,7 @@ class Comparison:
             "combinations": [{"segment": r.segment, "labels": list(r.labels), "names": list(r.names),
                               "volume_bytes": r.volume, "predicted_s": r.predicted_s, "measured_s": r.measured_s,
                               "status": r.status} for r in self.rows],
-            "rank_correlation": {str(k): v for k, v in self.rank_correlation.items()},
+            "rank_correlation": {str(k): v for k, v in self.rank_correlation.items()}, "statistic": self.statistic,
             "plans": [{"name": p.name, "predicted_s": p.predicted_s, "profiled_s": p.profiled_s,
                        "ilp_objective": p.ilp_objective, "volume_bytes": p.volume, "measured_s": p.measured.mean_s,
                        "measured_std_s": p.measured.std_s, "status": p.measured.status,
@@ -86,8 +87,9 @@ class Comparison:
         }
 
 
-def combination_rows(analysis: Analysis, profiles: Profiles) -> Comparison:
-    """Every profiled combination with its volume, predicted and measured time."""
+def combination_rows(analysis: Analysis, profiles: Profiles, statistic: str = "min") -> Comparison:
+    """Every profiled combination with its volume, predicted and measured time (`statistic`
+    of its runs: the time the search uses)."""
     rows, rho = [], {}
     for segment, prof in zip(analysis.segments, profiles.segments, strict=True):
         blocks = [analysis.blocks[b] for b in segment.blocks]
@@ -95,10 +97,10 @@ def combination_rows(analysis: Analysis, profiles: Profiles) -> Comparison:
         for c in prof.combinations:
             labels = tuple(b.strategies[k].label for b, k in zip(blocks, c.choice, strict=True))
             rows.append(CombinationRow(segment.index, labels, c.names, c.volume, c.predicted_s,
-                                       c.time_s if measured else None, c.status if measured else "not run"))
+                                       c.time(statistic) if measured else None, c.status if measured else "not run"))
         ok = [c for c in prof.combinations if c.ok and measured]
-        rho[segment.index] = rank_correlation([c.predicted_s for c in ok], [c.time_s for c in ok])
-    return Comparison(tuple(rows), rho)
+        rho[segment.index] = rank_correlation([c.predicted_s for c in ok], [c.time(statistic) for c in ok])
+    return Comparison(tuple(rows), rho, (), statistic)
 
 
 def rank_correlation(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -122,18 +124,19 @@ def ilp_layouts(plan: IntraPlan) -> tuple[Strategy, ...]:
                  for c in plan.nodes)
 
 
-def compare_plans(analysis: Analysis, plan: CfpPlan, ilp: IntraPlan, runs: int, warmup: int,
-                  cfp_measured: Any = None) -> tuple[PlanRow, PlanRow]:
-    """Both plans priced by the cost model and measured with the same lowering (needs JAX)."""
-    from meshplan.cfp.measure import measure  # the profiler's side: only here does comparing run JAX
+def compare_plans(analysis: Analysis, plan: CfpPlan, ilp: IntraPlan, runs: int, warmup: int
+                  ) -> tuple[PlanRow, PlanRow]:
+    """Both plans priced by the cost model and measured with the same lowering, compiled
+    first and timed round-robin (needs JAX)."""
+    from meshplan.cfp.measure import measure_many  # the profiler's side: only here does comparing run JAX
 
+    layouts = (analysis.node_strategies(plan.block_choice), ilp_layouts(ilp))
+    measured = measure_many(analysis.graph, layouts, analysis.mesh, runs, warmup)
     flops = graph_flops(analysis.graph)
     rows = []
-    for name, layouts, profiled, objective, measured in (
-            ("CFP", analysis.node_strategies(plan.block_choice), plan.predicted_time, None, cfp_measured),
-            ("ILP", ilp_layouts(ilp), None, ilp.objective, None)):
-        model = price(analysis.graph, layouts, analysis.mesh, analysis.options.cost)
-        measured = measured or measure(analysis.graph, layouts, analysis.mesh, runs, warmup)
-        tflops = flops / measured.mean_s / 1e12 if measured.status == "ok" else None
-        rows.append(PlanRow(name, model.time, profiled, objective, model.volume, measured, tflops))
+    for name, plan_layouts, profiled, objective, m in zip(("CFP", "ILP"), layouts, (plan.predicted_time, None),
+                                                          (None, ilp.objective), measured, strict=True):
+        model = price(analysis.graph, plan_layouts, analysis.mesh, analysis.options.cost)
+        tflops = flops / m.mean_s / 1e12 if m.status == "ok" else None
+        rows.append(PlanRow(name, model.time, profiled, objective, model.volume, m, tflops))
     return rows[0], rows[1]

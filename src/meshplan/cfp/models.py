@@ -1,10 +1,12 @@
 """The graphs CFP plans: a stack of transformer blocks of a model preset (model spec -> Graph).
 
-CFP plans the repeated part of a model, the transformer blocks, as one forward step on
-activations [batch, seq, hidden]; the embedding and LM head stay outside its graph, so the
-vocabulary size does not matter here. On CPU devices the presets are too large to profile
-every strategy combination in minutes, so `reduced_config` shrinks the sizes (keeping the
-block structure: norms, attention, MLP or MoE, and the layer count) and says what it changed.
+CFP plans the repeated part of a model, the transformer blocks, on activations [batch, seq,
+hidden]: the forward step, or a training step (forward and backward: the gradients of the input
+and of every weight, as a pipeline stage computes them; the optimizer update is not included).
+The embedding and LM head stay outside its graph, so the vocabulary size does not matter here.
+On CPU devices the presets are too large to profile every strategy combination in minutes, so
+`reduced_config` shrinks the sizes (keeping the block structure: norms, attention, MLP or MoE,
+and the layer count) and says what it changed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import ModelSpecError
-from meshplan.ir import DType, Graph, GraphBuilder, as_dtype
+from meshplan.ir import DType, Graph, GraphBuilder, OpKind, as_dtype
+from meshplan.ir.autodiff import append_backward
 from meshplan.models.blocks import block
 from meshplan.models.transformer import TransformerConfig, model_config
 
@@ -30,6 +33,7 @@ class ModelSpec:
         batch, seq_len: activation shape [batch, seq_len, hidden].
         dtype: element type of weights and activations.
         changes: what `reduced_config` changed, e.g. ("hidden 768 -> 128",), for reports.
+        train: build the training step (forward and backward), not the forward alone.
     """
 
     config: TransformerConfig
@@ -38,21 +42,23 @@ class ModelSpec:
     seq_len: int
     dtype: DType = DType.F32
     changes: tuple[str, ...] = ()
+    train: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.config.name}.{self.layers}l"
+        return f"{self.config.name}.{self.layers}l" + (".train" if self.train else "")
 
     def describe(self) -> str:
         c = self.config
         text = (f"{c.name}: {self.layers} layers, hidden {c.hidden}, heads {c.heads}, ffn {c.ffn}"
                 + (f", {c.experts} experts" if c.experts else "")
-                + f", batch {self.batch}, seq {self.seq_len}, {self.dtype}")
+                + f", batch {self.batch}, seq {self.seq_len}, {self.dtype}, "
+                + ("training step (forward and backward)" if self.train else "forward step"))
         return text + (f" (reduced for CPU devices: {', '.join(self.changes)})" if self.changes else "")
 
 
 def model_spec(model: str, layers: int, batch: int, seq_len: int = 0, reduced: bool = True,
-               dtype: DType | str = DType.F32, **overrides: int) -> ModelSpec:
+               dtype: DType | str = DType.F32, train: bool = False, **overrides: int) -> ModelSpec:
     """A ModelSpec from a preset name or a Hugging Face config.json path.
 
     Args:
@@ -62,6 +68,7 @@ def model_spec(model: str, layers: int, batch: int, seq_len: int = 0, reduced: b
         seq_len: tokens per sequence; 0 takes the model's context length.
         reduced: shrink sizes to REDUCED's caps (for CPU devices).
         dtype: element type.
+        train: the training step instead of the forward step.
         **overrides: sizes set explicitly (hidden, heads, ffn, experts), applied before reducing.
 
     Raises:
@@ -80,7 +87,7 @@ def model_spec(model: str, layers: int, batch: int, seq_len: int = 0, reduced: b
     changes: tuple[str, ...] = ()
     if reduced:
         config, seq_len, changes = reduced_config(config, seq_len)
-    return ModelSpec(config, layers, batch, seq_len, as_dtype(dtype), changes)
+    return ModelSpec(config, layers, batch, seq_len, as_dtype(dtype), changes, train)
 
 
 def reduced_config(config: TransformerConfig, seq_len: int) -> tuple[TransformerConfig, int, tuple[str, ...]]:
@@ -100,15 +107,28 @@ def reduced_config(config: TransformerConfig, seq_len: int) -> tuple[Transformer
 
 
 def model_graph(spec: ModelSpec) -> Graph:
-    """The forward graph of `spec.layers` blocks on activations x [batch, seq, hidden]; nodes
-    carry their block's layer index (for reports only: CFP finds repeats by structure)."""
+    """The graph of `spec.layers` blocks on activations x [batch, seq, hidden]; nodes carry their
+    block's layer index (for reports only: CFP finds repeats by structure).
+
+    Forward: the output activations. Training: the cotangent of the output is an input and the
+    loss sum(out * cotangent) is differentiated, which is exactly the backward pass a pipeline
+    stage runs; the outputs are the gradients of x and of every weight."""
     c = spec.config
     b = GraphBuilder(spec.name)
     x = b.parameter((spec.batch, spec.seq_len, c.hidden), spec.dtype, name="x")
+    first_weight = len(b)
+    out = x
     for index in range(spec.layers):
         with b.layer(index):
-            x = block(b, x, c, index)
-    b.outputs(x)
+            out = block(b, out, c, index)
+    if not spec.train or out == x:
+        b.outputs(out)
+        return b.build()
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    cotangent = b.parameter(b.shape(out), spec.dtype, name="cotangent")
+    loss = b.reduce(b.mul(out, cotangent), tuple(range(3)), name="loss")
+    grads = append_backward(b, loss, [x, *weights])
+    b.outputs(*dict.fromkeys(grads[v] for v in (x, *weights)))
     return b.build()
 
 

@@ -52,16 +52,16 @@ def analysis_text(analysis: Analysis) -> list[str]:
     return lines
 
 
-def profiles_text(analysis: Analysis, profiles: Profiles) -> list[str]:
-    lines = [f"profiles ({profiles.mode}):"]
+def profiles_text(analysis: Analysis, profiles: Profiles, statistic: str = "min") -> list[str]:
+    lines = [f"profiles ({profiles.mode}; best and worst by the {statistic} of the runs):"]
     for segment, prof in zip(analysis.segments, profiles.segments, strict=True):
         ok = [c for c in prof.combinations if c.ok]
         source = "cached" if segment.index in profiles.cached else prof.device
         text = f"  segment {segment.index} {list(segment.space)}: {len(ok)}/{len(prof.combinations)} ok ({source})"
         if ok:
-            best, worst = min(ok, key=lambda c: c.time_s), max(ok, key=lambda c: c.time_s)
-            text += (f", best {format_time(best.time_s)} [{' | '.join(best.names)}], "
-                     f"worst {format_time(worst.time_s)}")
+            best, worst = min(ok, key=lambda c: c.time(statistic)), max(ok, key=lambda c: c.time(statistic))
+            text += (f", best {format_time(best.time(statistic))} [{' | '.join(best.names)}], "
+                     f"worst {format_time(worst.time(statistic))}")
         failed = [c for c in prof.combinations if not c.ok]
         if failed:
             text += f", {len(failed)} {'/'.join(sorted({c.status for c in failed}))}"
@@ -71,8 +71,8 @@ def profiles_text(analysis: Analysis, profiles: Profiles) -> list[str]:
 
 def plan_text(analysis: Analysis, plan: CfpPlan, measured: Measurement | None, flops: float) -> list[str]:
     g = analysis.graph
-    lines = [f"CFP plan from {plan.mode} profiles ({plan.solve.backend} {plan.solve.status.value} in "
-             f"{plan.solve.wall_s:.2f} s):"]
+    source = f"{plan.mode} profiles" + (f", {plan.statistic} of the runs" if plan.mode != "analytic" else "")
+    lines = [f"CFP plan from {source} ({plan.solve.backend} {plan.solve.status.value} in {plan.solve.wall_s:.2f} s):"]
     for block, k in zip(analysis.blocks, plan.block_choice, strict=True):
         s = block.strategies[k]
         lines.append(f"  block {block.index:<3} {g[block.lead].label:<28} {s.label:<8} {s.name}")
@@ -93,12 +93,13 @@ def measured_text(what: str, m: Measurement, flops: float) -> str:
 
 
 def comparison_text(comparison: Comparison, limit: int = 12) -> list[str]:
-    lines = ["communication volume vs time, per combination (cost model vs measured):"]
+    lines = [f"communication volume vs time, per combination (cost model vs measured, {comparison.statistic} of "
+             "the runs):"]
     for segment, rows in comparison.by_segment().items():
         rho = comparison.rank_correlation.get(segment)
         lines.append(f"  segment {segment} (rank correlation predicted/measured: "
                      f"{'-' if rho is None else f'{rho:.2f}'})")
-        lines.append(f"    {'combination':<44} {'volume':>10} {'predicted':>11} {'measured':>11}")
+        lines.append(f"    {'combination':<44} {'volume':>10} {'predicted':>11} {comparison.statistic:>11}")
         ranked = sorted(rows, key=lambda r: (r.measured_s is None, r.measured_s or 0.0))
         for r in ranked[:limit]:
             measured = format_time(r.measured_s) if r.status == "ok" else r.status

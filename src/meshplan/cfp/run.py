@@ -20,7 +20,7 @@ from meshplan.cfp.cache import ProfileCache
 from meshplan.cfp.models import model_graph, model_spec
 from meshplan.cfp.profile import Profiles, ProfileSettings, load_profiles, profile
 from meshplan.cfp.report import analysis_text, comparison_text, plan_text, profiles_text
-from meshplan.cfp.search import CfpPlan, search
+from meshplan.cfp.search import STATISTICS, CfpPlan, search
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
@@ -36,6 +36,7 @@ class CfpRun:
     """What `meshplan cfp` was asked (see the command's help for each field)."""
 
     model: str = "gpt3-125m"
+    train: bool = False
     layers: int = 2
     batch: int = 8
     seq_len: int = 0
@@ -60,6 +61,9 @@ class CfpRun:
     def check(self) -> None:
         if self.mode not in MODES:
             raise OptionsError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.statistic not in STATISTICS:
+            raise OptionsError(f"unknown statistic {self.statistic!r}; use one of {', '.join(STATISTICS)}")
+        ProfileSettings(self.analytic, self.runs, self.warmup, self.memory)  # checks runs and warm-up
 
     @property
     def cache_folder(self) -> Path:
@@ -69,8 +73,8 @@ class CfpRun:
 def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the passes `run.mode` asks for; print with `say`; return what was written."""
     run.check()
-    spec = model_spec(run.model, run.layers, run.batch, run.seq_len, run.reduced, run.dtype, hidden=run.hidden,
-                      heads=run.heads, ffn=run.ffn, experts=run.experts)
+    spec = model_spec(run.model, run.layers, run.batch, run.seq_len, run.reduced, run.dtype, run.train,
+                      hidden=run.hidden, heads=run.heads, ffn=run.ffn, experts=run.experts)
     say(f"model {spec.describe()}")
     if run.mode != "analysis":
         _devices_for(run.mesh)
@@ -86,10 +90,23 @@ def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | N
         p.to_dict() for p in profiles.segments]})
     if run.mode == "profile":
         return written
-    plan, measured = _search(run, analysis, profiles, say)
+    plan = search(analysis, profiles, run.memory, run.statistic)
+    flops = graph_flops(analysis.graph)
+    if run.mode == "all":  # both plans measured together, alike
+        comparison = _compare(run, analysis, profiles, plan)
+        measured = comparison.plans[0].measured
+    else:
+        from meshplan.cfp.measure import measure
+
+        measured = measure(analysis.graph, analysis.node_strategies(plan.block_choice), analysis.mesh, run.runs,
+                           run.warmup)
+    for line in plan_text(analysis, plan, measured, flops):
+        say(line)
     written["plan"] = _write(run, "plan.json", plan.to_dict(analysis) | {"measured": _measured_dict(measured)})
     if run.mode == "all":
-        written["comparison"] = _compare(run, analysis, profiles, plan, measured, say)
+        for line in comparison_text(comparison):
+            say(line)
+        written["comparison"] = _write(run, "comparison.json", comparison.to_dict())
     return written
 
 
@@ -103,31 +120,17 @@ def _profiles(run: CfpRun, analysis: Analysis, say: Say, progress) -> Profiles:
         profiles = profile(analysis, settings, cache, progress)
         say(f"profiled {len(profiles.segments) - len(profiles.cached)} segment(s) in "
             f"{time.perf_counter() - start:.1f} s ({len(profiles.cached)} from the cache {cache.folder})")
-    for line in profiles_text(analysis, profiles):
+    for line in profiles_text(analysis, profiles, run.statistic):
         say(line)
     return profiles
 
 
-def _search(run: CfpRun, analysis: Analysis, profiles: Profiles, say: Say):
-    from meshplan.cfp.measure import measure
-
-    plan = search(analysis, profiles, run.memory, run.statistic)
-    measured = measure(analysis.graph, analysis.node_strategies(plan.block_choice), analysis.mesh, run.runs,
-                       run.warmup)
-    for line in plan_text(analysis, plan, measured, graph_flops(analysis.graph)):
-        say(line)
-    return plan, measured
-
-
-def _compare(run: CfpRun, analysis: Analysis, profiles: Profiles, plan: CfpPlan, measured, say: Say) -> str:
+def _compare(run: CfpRun, analysis: Analysis, profiles: Profiles, plan: CfpPlan):
     from meshplan.cfp.compare import Comparison, combination_rows, compare_plans, ilp_plan
 
-    table = combination_rows(analysis, profiles)
-    rows = compare_plans(analysis, plan, ilp_plan(analysis, run.memory), run.runs, run.warmup, measured)
-    comparison = Comparison(table.rows, table.rank_correlation, rows)
-    for line in comparison_text(comparison):
-        say(line)
-    return _write(run, "comparison.json", comparison.to_dict())
+    table = combination_rows(analysis, profiles, run.statistic)
+    rows = compare_plans(analysis, plan, ilp_plan(analysis, run.memory), run.runs, run.warmup)
+    return Comparison(table.rows, table.rank_correlation, rows, table.statistic)
 
 
 def _mesh_and_cost(run: CfpRun) -> tuple[LogicalMesh, CostModel]:

@@ -37,6 +37,7 @@ class CfpPlan:
 
     Attributes:
         graph, mesh, mode: what was planned, on what, from measured or analytic profiles.
+        statistic: which time of the profiled runs was used (min, median or mean).
         block_choice: the candidate index of every block.
         occurrence_choice: the combination of every segment occurrence.
         predicted_time: segments' profiled times plus resharding between them (seconds).
@@ -49,6 +50,7 @@ class CfpPlan:
     graph: str
     mesh: tuple[int, ...]
     mode: str
+    statistic: str
     block_choice: tuple[int, ...]
     occurrence_choice: tuple[tuple[int, ...], ...]
     predicted_time: float
@@ -63,7 +65,7 @@ class CfpPlan:
         g = analysis.graph
         layouts = analysis.node_strategies(self.block_choice)
         return {
-            "graph": self.graph, "mesh": list(self.mesh), "mode": self.mode,
+            "graph": self.graph, "mesh": list(self.mesh), "mode": self.mode, "statistic": self.statistic,
             "predicted_time_s": self.predicted_time, "segment_time_s": self.segment_time,
             "resharding_time_s": self.resharding_time, "predicted_memory_bytes": self.predicted_memory,
             "memory_budget_bytes": self.memory_budget,
@@ -131,7 +133,7 @@ def search(analysis: Analysis, profiles: Profiles, memory_budget: float | None =
     if not result.has_solution:
         raise SolverError(f"{solver} found no CFP plan within {time_limit:g} s; raise the time limit")
     picked = [int(np.argmax([result.values[v] for v in xs])) for xs in x]
-    return _plan(analysis, profiles, options, edges, picked, memory_budget, result)
+    return _plan(analysis, profiles, statistic, options, edges, picked, memory_budget, result)
 
 
 def search_exhaustive(analysis: Analysis, profiles: Profiles, memory_budget: float | None = None,
@@ -147,7 +149,7 @@ def search_exhaustive(analysis: Analysis, profiles: Profiles, memory_budget: flo
         raise InfeasiblePlanError(f"no profiled combination of {analysis.graph.name!r} fits "
                                   f"{format_bytes(memory_budget)} per device")
     result = SolveResult(SolveStatus.OPTIMAL, best[0], best[0], 0.0, 0.0, "exhaustive")
-    return _plan(analysis, profiles, options, edges, best[1], memory_budget, result)
+    return _plan(analysis, profiles, statistic, options, edges, best[1], memory_budget, result)
 
 
 def build_problem(analysis: Analysis, profiles: Profiles, statistic: str = "min"
@@ -257,11 +259,11 @@ def _infeasible(analysis: Analysis, options, budget: float, solver: str, time_li
         min_budget_bytes=result.objective if result.has_solution else None)
 
 
-def _plan(analysis: Analysis, profiles: Profiles, options, edges, picked: Sequence[int], budget: float | None,
-          result: SolveResult) -> CfpPlan:
+def _plan(analysis: Analysis, profiles: Profiles, statistic: str, options, edges, picked: Sequence[int],
+          budget: float | None, result: SolveResult) -> CfpPlan:
     chosen = [options[o][i] for o, i in enumerate(picked)]
     total, memory = evaluate(options, edges, picked)
     segment_time = sum(c.time for c in chosen)
     block_choice = tuple(k for c in chosen for k in c.choice)
-    return CfpPlan(analysis.graph.name, analysis.mesh.shape, profiles.mode, block_choice,
+    return CfpPlan(analysis.graph.name, analysis.mesh.shape, profiles.mode, statistic, block_choice,
                    tuple(c.choice for c in chosen), total, segment_time, total - segment_time, memory, budget, result)
