@@ -3,9 +3,10 @@ Writes benchmarks/results/cfp.json. Run: python benchmarks/bench_cfp.py [--quick
 
 1. Plans. The devices are measured first (collective latency and bandwidth, matmul FLOP/s:
    `meshplan profile-cluster`'s measurement), and both planners price with those costs. For a
-   small GPT and a small GShard MoE (reduced sizes, 2x4 mesh), CFP profiles its segments and
-   searches; the ILP solves the same graph. Both plans are then run by the same lowering,
-   compiled once and timed round-robin (so load from other processes hits both alike).
+   small GPT and a small GShard MoE forward step and a small GPT training step (reduced sizes,
+   2x4 mesh), CFP profiles its segments and searches; the ILP solves the same graph. Both plans
+   are then run by the same lowering, compiled once and timed round-robin (so load from other
+   processes hits both alike).
 2. Depth. GPT stacks of 2, 4, 8, 16 layers are analysed and profiled from an empty cache: the
    number of unique segments (what is profiled) and the profiling time should stay flat.
 
@@ -41,7 +42,8 @@ from meshplan.runtime.defaults import DeviceCosts  # noqa: E402
 from common import save  # noqa: E402
 
 MESH = (2, 4)
-MODELS = (("gpt3-125m", 2), ("moe-1.3b", 2))  # layer 1 of the MoE is an expert layer
+# (model, layers, training step): layer 1 of the MoE is an expert layer
+MODELS = (("gpt3-125m", 2, False), ("moe-1.3b", 2, False), ("gpt3-125m", 2, True))
 DEPTHS = (2, 4, 8, 16)
 
 
@@ -56,8 +58,8 @@ def device_costs() -> DeviceCosts:
     return DeviceCosts.from_cluster(load_cluster_file(str(path)))
 
 
-def compare(model: str, layers: int, costs: DeviceCosts, runs: int) -> dict:
-    spec = model_spec(model, layers, batch=8)
+def compare(model: str, layers: int, train: bool, costs: DeviceCosts, runs: int) -> dict:
+    spec = model_spec(model, layers, batch=8, train=train)
     mesh = costs.mesh(MESH)
     a = analyze(model_graph(spec), mesh, CfpOptions(CostModel(flops_per_second=costs.flops_per_second)))
     start, load_before = time.perf_counter(), load()
@@ -81,7 +83,8 @@ def compare(model: str, layers: int, costs: DeviceCosts, runs: int) -> dict:
                       "runs": m.runs, "tflops": flops / m.mean_s / 1e12, "cost_model_s": model_price.time,
                       "volume_bytes": model_price.volume, "xla_peak_memory_bytes": m.peak_memory}
     case["load_after"] = load()
-    print(f"{model}: CFP median {case['CFP']['median_s'] * 1e3:.2f} ms (predicted {plan.predicted_time * 1e3:.2f}), "
+    print(f"{spec.name}: CFP median {case['CFP']['median_s'] * 1e3:.2f} ms "
+          f"(predicted {plan.predicted_time * 1e3:.2f}), "
           f"ILP median {case['ILP']['median_s'] * 1e3:.2f} ms; profiling {profile_s:.1f} s "
           f"({case['combinations']} combinations), load {load():.1f}", flush=True)
     return case
@@ -113,7 +116,7 @@ def main() -> None:
     costs = device_costs()
     print(f"devices: latency {costs.intra_alpha * 1e6:.0f} us, {1 / costs.intra_beta / 1e9:.2f} GB/s, "
           f"{costs.flops_per_second / 1e9:.1f} GFLOP/s", flush=True)
-    cases = [{"kind": "plans", **compare(m, n, costs, 10 if quick else 30)} for m, n in MODELS]
+    cases = [{"kind": "plans", **compare(*model, costs, 10 if quick else 30)} for model in MODELS]
     cases += [{"kind": "depth", **depth(n, costs)} for n in (DEPTHS[:2] if quick else DEPTHS)]
     cases.append({"kind": "device_costs", "alpha_s": costs.intra_alpha, "beta_s_per_byte": costs.intra_beta,
                   "flops_per_second": costs.flops_per_second})

@@ -202,13 +202,15 @@ def cfp(
     from meshplan.cfp.run import CfpRun, run_cfp
 
     budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
-    request = CfpRun(model, train, layers, batch, seq_len, parse_mesh_shape(mesh), mode.lower(), analytic, out, cache,
-                     runs, warmup, budget, max_combinations, statistic, not full_size, dtype, cluster_file, hidden,
-                     heads, ffn, experts)
+    request = CfpRun(model=model, train=train, layers=layers, batch=batch, seq_len=seq_len,
+                     mesh=parse_mesh_shape(mesh), mode=mode.lower(), analytic=analytic, out=out, cache=cache, runs=runs,
+                     warmup=warmup, memory=budget, max_combinations=max_combinations, statistic=statistic,
+                     reduced=not full_size, dtype=dtype, cluster_file=cluster_file, hidden=hidden, heads=heads, ffn=ffn,
+                     experts=experts)
     console = Console(highlight=False)
     with _progress(enabled=True) as progress:
         written = run_cfp(request, lambda line: console.print(line, markup=False, soft_wrap=True), progress)
-    console.print("wrote " + ", ".join(written.values()), markup=False)
+    console.print("wrote " + ", ".join(written.values()), markup=False, soft_wrap=True)
 
 
 def _ints(text: str) -> tuple[int, ...]:

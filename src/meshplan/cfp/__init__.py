@@ -7,8 +7,9 @@ pure Python; only profiling and measuring touch JAX. See docs/cfp.md.
 """
 
 from meshplan.cfp.analysis import Analysis, CfpOptions, analyze
-from meshplan.cfp.blocks import BlockStrategy, ParallelBlock
+from meshplan.cfp.blocks import ParallelBlock
 from meshplan.cfp.cache import ProfileCache
+from meshplan.cfp.derive import BlockStrategy
 from meshplan.cfp.models import ModelSpec, model_graph, model_spec
 from meshplan.cfp.profile import (
     CombinationProfile,
