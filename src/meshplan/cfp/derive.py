@@ -71,7 +71,6 @@ def is_local_slice(src: ShardingSpec, dst: ShardingSpec) -> bool:
     return all(d[:len(a)] == a for a, d in zip(src.dims, dst.dims, strict=True))
 
 
-
 class StrategyMaps:
     """Derives the strategy of every member of a block under each of its candidates."""
 

@@ -27,7 +27,6 @@ from meshplan.sharding.strategy import Strategy
 
 ANALYTIC = "analytic"
 MEASURED = "measured"
-SCHEMA = 1
 Progress = Callable[[str, int, int], None]  # (label, done, total)
 
 
@@ -218,7 +217,7 @@ def profile(analysis: Analysis, settings: ProfileSettings | None = None, cache: 
         progress: called with (label, combinations done, total) as work proceeds.
 
     Raises:
-        PlanValidationError: the cache holds this segment only for another mesh or device.
+        PlanValidationError: a cache file is unreadable or of another schema.
         MeshError: a measured profile needs more devices than JAX sees.
     """
     settings = settings or ProfileSettings()

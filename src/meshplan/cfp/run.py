@@ -70,9 +70,22 @@ class CfpRun:
         return Path(self.cache) if self.cache else Path(self.out) / "cache"
 
 
-def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Run the passes `run.mode` asks for; print with `say`; return what was written."""
+def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | None = None) -> dict[str, str]:
+    """Run the passes `run.mode` asks for; print with `say`; return the files written."""
     run.check()
+    analysis = _analyze(run, say)
+    written = {"analysis": _write(run, "analysis.json", analysis.to_dict())}
+    if run.mode == "analysis":
+        return written
+    profiles = _profiles(run, analysis, say, progress)
+    written["profiles"] = _write(run, "profiles.json", {"mode": profiles.mode, "segments": [
+        p.to_dict() for p in profiles.segments]})
+    if run.mode != "profile":
+        written |= _search_and_run(run, analysis, profiles, say)
+    return written
+
+
+def _analyze(run: CfpRun, say: Say) -> Analysis:
     spec = model_spec(run.model, run.layers, run.batch, run.seq_len, run.reduced, run.dtype, run.train,
                       hidden=run.hidden, heads=run.heads, ffn=run.ffn, experts=run.experts)
     say(f"model {spec.describe()}")
@@ -82,28 +95,24 @@ def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | N
     analysis = analyze(model_graph(spec), mesh, CfpOptions(cost, run.max_combinations))
     for line in analysis_text(analysis):
         say(line)
-    written = {"analysis": _write(run, "analysis.json", analysis.to_dict())}
-    if run.mode == "analysis":
-        return written
-    profiles = _profiles(run, analysis, say, progress)
-    written["profiles"] = _write(run, "profiles.json", {"mode": profiles.mode, "segments": [
-        p.to_dict() for p in profiles.segments]})
-    if run.mode == "profile":
-        return written
+    return analysis
+
+
+def _search_and_run(run: CfpRun, analysis: Analysis, profiles: Profiles, say: Say) -> dict[str, str]:
+    """Search, run the plan (in mode all next to the ILP's plan, measured alike), print, write."""
     plan = search(analysis, profiles, run.memory, run.statistic)
-    flops = graph_flops(analysis.graph)
-    if run.mode == "all":  # both plans measured together, alike
-        comparison = _compare(run, analysis, profiles, plan)
+    comparison = _compare(run, analysis, profiles, plan) if run.mode == "all" else None
+    if comparison is not None:
         measured = comparison.plans[0].measured
     else:
         from meshplan.cfp.measure import measure
 
         measured = measure(analysis.graph, analysis.node_strategies(plan.block_choice), analysis.mesh, run.runs,
                            run.warmup)
-    for line in plan_text(analysis, plan, measured, flops):
+    for line in plan_text(analysis, plan, measured, graph_flops(analysis.graph)):
         say(line)
-    written["plan"] = _write(run, "plan.json", plan.to_dict(analysis) | {"measured": _measured_dict(measured)})
-    if run.mode == "all":
+    written = {"plan": _write(run, "plan.json", plan.to_dict(analysis) | {"measured": _measured_dict(measured)})}
+    if comparison is not None:
         for line in comparison_text(comparison):
             say(line)
         written["comparison"] = _write(run, "comparison.json", comparison.to_dict())
