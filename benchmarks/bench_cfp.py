@@ -33,11 +33,11 @@ from meshplan.cfp.measure import measure_many  # noqa: E402
 from meshplan.cfp.price import price  # noqa: E402
 from meshplan.cfp.search import search  # noqa: E402
 from meshplan.cluster.cluster import load_cluster_file  # noqa: E402
+from meshplan.cluster.costs import DeviceCosts  # noqa: E402
 from meshplan.cost.model import CostModel  # noqa: E402
 from meshplan.files import write_json_atomic  # noqa: E402
 from meshplan.ir.counting import graph_flops  # noqa: E402
 from meshplan.runtime.calibrate import profile_cluster  # noqa: E402
-from meshplan.runtime.defaults import DeviceCosts  # noqa: E402
 
 from common import save  # noqa: E402
 

@@ -84,3 +84,25 @@ def test_planning_faces_load_without_jax(package):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+# CFP: its analysis and search see graphs and numbers; only its profiler (lower, measure) runs JAX,
+# and the modules that measure load it inside the functions that do.
+CFP_PURE = ("cfp/analysis.py", "cfp/blocks.py", "cfp/derive.py", "cfp/strategies.py", "cfp/segments.py",
+            "cfp/price.py", "cfp/search.py", "cfp/cache.py", "cfp/models.py", "cfp/report.py", "cfp/export.py",
+            "cfp/measurement.py")
+CFP_MEASURING = ("cfp/profile.py", "cfp/compare.py", "cfp/run.py", "cfp/__init__.py")
+RUNS_JAX = (*JAX, "meshplan.runtime", "meshplan.capture", "meshplan.parallel", "meshplan.cfp.lower",
+            "meshplan.cfp.measure")
+
+
+def test_cfp_analysis_and_search_never_import_jax():
+    assert offending(CFP_PURE, RUNS_JAX) == []
+    assert offending(CFP_MEASURING, RUNS_JAX, top_level_only=True) == []
+
+
+def test_no_planner_imports_cfp():
+    """CFP is a stage of its own: only the `meshplan cfp` command reaches it, when it runs."""
+    parts = [p.name for p in SRC.iterdir() if p.name not in ("cfp", "cli.py", "__pycache__")]
+    assert offending(parts, ("meshplan.cfp",)) == []
+    assert offending(["cli.py"], ("meshplan.cfp",), top_level_only=True) == []

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from meshplan.plan import Plan
+
 TINY = ("--layers", "1", "--batch", "8", "--seq-len", "16", "--hidden", "64")
 
 
@@ -33,9 +35,11 @@ def test_all_mode_writes_plan_and_comparison(tmp_path):
     result = run(*TINY, "--mode", "all", "--analytic", "--runs", "1", "--warmup", "0", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "CFP plan from analytic profiles" in result.stdout and "TFLOP/s" in result.stdout
-    plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["measured"]["status"] == "ok" and len(plan["blocks"]) == 6
-    assert all(op["sharding"] and "partition_spec" in op for op in plan["operators"])
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert plan.source == "cfp" and len(plan.notes) == 6 and dict(plan.metrics)["measured.mean_s"] > 0
+    nodes = plan.stages[0].intra_plan.nodes  # every operator's sharding
+    assert len(nodes) == json.loads((tmp_path / "analysis.json").read_text())["nodes"]
+    assert any(node.output.axes() for node in nodes)
     comparison = json.loads((tmp_path / "comparison.json").read_text())
     assert [p["name"] for p in comparison["plans"]] == ["CFP", "ILP"]
     assert all(p["status"] == "ok" for p in comparison["plans"])

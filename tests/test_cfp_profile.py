@@ -3,8 +3,6 @@ the cache reused and keyed by mesh, and the searched plan runs."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from meshplan.cfp import (
@@ -18,9 +16,11 @@ from meshplan.cfp import (
     profile,
     search,
 )
+from meshplan.cfp.export import house_plan
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import InfeasiblePlanError, PlanValidationError
+from meshplan.plan import Plan
 
 jax = pytest.importorskip("jax")
 
@@ -48,7 +48,13 @@ def test_measured_profiles_are_cached_and_searched(analysis, tmp_path):
     assert load_profiles(analysis, cache).segments == first.segments
     plan = search(analysis, first)
     assert len(plan.block_choice) == len(analysis.blocks) and plan.predicted_time > 0
-    assert json.loads(json.dumps(plan.to_dict(analysis)))["operators"][0]["sharding"]
+    spec = model_spec("gpt3-125m", 2, batch=8, seq_len=16, hidden=64)
+    house = house_plan(analysis, plan, spec, first.segments[0].device, {"mean_s": 0.5})
+    assert Plan.from_json(house.to_json()) == house  # the house's one plan format, exactly
+    layouts = analysis.node_strategies(plan.block_choice)
+    assert [n.output for n in house.stages[0].intra_plan.nodes] == [s.output for s in layouts]
+    assert house.source == "cfp" and house.prediction.iteration_time_s == plan.predicted_time
+    assert len(house.notes) == len(analysis.blocks) and dict(house.metrics)["measured.mean_s"] == 0.5
 
 
 def test_out_of_memory_is_recorded_not_fatal(analysis):

@@ -18,7 +18,7 @@ from meshplan.errors import PlanValidationError
 from meshplan.intra.plan import IntraPlan
 
 SCHEMA_VERSION = 3
-SOURCES = ("simulate", "intra", "parallelize", "pipeshard")
+SOURCES = ("simulate", "intra", "parallelize", "pipeshard", "cfp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ class Plan:
     """A parallelization plan and, where known, its prediction.
 
     Attributes:
-        source: the planner that wrote it: "simulate", "intra", "parallelize" or "pipeshard".
+        source: the planner that wrote it: "simulate", "intra", "parallelize", "pipeshard" or "cfp".
         model: the model preset, config or function planned.
         stages: the pipeline's stages in order (one for an unpipelined plan).
         schedule: the pipeline schedule (see meshplan.inter.schedules), "none" without a pipeline.

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshplan.cfp.blocks import ParallelBlock, find_blocks
 from meshplan.cfp.segments import Extract, Occurrence, Segment, find_segments
+from meshplan.cluster.costs import FLOPS_PER_SECOND
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
@@ -21,9 +22,6 @@ from meshplan.sharding.context import RuleConfig
 from meshplan.sharding.enumerate import enumerate_strategies
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import NodeStrategies, Strategy
-
-# Placeholder device speed when no cluster is given (the runtime's default, see runtime/defaults.py).
-DEFAULT_FLOPS = 1e11
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +35,7 @@ class CfpOptions:
             between blocks, at the price of more programs to profile.
     """
 
-    cost: CostModel = field(default_factory=lambda: CostModel(flops_per_second=DEFAULT_FLOPS))
+    cost: CostModel = field(default_factory=lambda: CostModel(flops_per_second=FLOPS_PER_SECOND))
     max_combinations: int = 64
 
     def __post_init__(self) -> None:

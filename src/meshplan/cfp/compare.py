@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.cfp.analysis import Analysis
+from meshplan.cfp.measurement import Measurement
 from meshplan.cfp.price import price
 from meshplan.cfp.profile import ANALYTIC, Profiles
 from meshplan.cfp.search import CfpPlan
@@ -57,7 +58,7 @@ class PlanRow:
     profiled_s: float | None
     ilp_objective: float | None
     volume: float
-    measured: Any
+    measured: Measurement
     tflops: float | None
 
 

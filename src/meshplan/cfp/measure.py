@@ -11,45 +11,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import jax
 
 from meshplan.cfp.lower import lower
+from meshplan.cfp.measurement import ERROR, OK, OOM, Measurement
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.ir.graph import Graph
 from meshplan.runtime.sharded import make_jax_mesh
 from meshplan.sharding.strategy import Strategy
-
-OK, OOM, ERROR = "ok", "oom", "error"
-
-
-@dataclass(frozen=True, slots=True)
-class Measurement:
-    """One program's measured time and memory.
-
-    Attributes:
-        status: "ok", "oom" (did not fit) or "error" (XLA refused it; `message` says why).
-        mean_s, std_s, median_s, min_s: over the timed runs (None unless ok).
-        runs: timed runs made.
-        peak_memory: bytes per device by XLA's memory analysis (None when not compiled).
-        compile_s: seconds spent lowering and compiling.
-        message: the error or out-of-memory detail.
-    """
-
-    status: str
-    mean_s: float | None = None
-    std_s: float | None = None
-    median_s: float | None = None
-    min_s: float | None = None
-    runs: int = 0
-    peak_memory: float | None = None
-    compile_s: float = 0.0
-    message: str = ""
-
-    def statistic(self, name: str) -> float | None:
-        """The time called `name`: "mean", "median" or "min"."""
-        return {"mean": self.mean_s, "median": self.median_s, "min": self.min_s}[name]
 
 
 def measure(graph: Graph, layouts: Sequence[Strategy], logical: LogicalMesh, runs: int = 5, warmup: int = 2,

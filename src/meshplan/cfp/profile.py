@@ -17,6 +17,7 @@ from typing import Any
 
 from meshplan.cfp.analysis import Analysis
 from meshplan.cfp.cache import ProfileCache
+from meshplan.cfp.measurement import Measurement
 from meshplan.cfp.price import Price, price
 from meshplan.cfp.segments import structural_hash
 from meshplan.cluster.mesh import LogicalMesh
@@ -201,7 +202,7 @@ def _analytic(combo: Combination, predicted: Price, memory_limit: float | None) 
                               predicted.peak_memory, predicted.time, predicted.volume)
 
 
-def _measured(combo: Combination, predicted: Price, m) -> CombinationProfile:
+def _measured(combo: Combination, predicted: Price, m: Measurement) -> CombinationProfile:
     return CombinationProfile(combo.choice, combo.names, m.status, m.mean_s, m.std_s, m.median_s, m.min_s,
                               m.peak_memory, predicted.time, predicted.volume, m.compile_s, m.message)
 

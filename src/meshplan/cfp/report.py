@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from meshplan.cfp.analysis import Analysis
     from meshplan.cfp.compare import Comparison
-    from meshplan.cfp.measure import Measurement
+    from meshplan.cfp.measurement import Measurement
     from meshplan.cfp.profile import Profiles
     from meshplan.cfp.search import CfpPlan
 

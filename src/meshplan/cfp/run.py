@@ -17,10 +17,13 @@ from typing import Any
 
 from meshplan.cfp.analysis import Analysis, CfpOptions, analyze
 from meshplan.cfp.cache import ProfileCache
-from meshplan.cfp.models import model_graph, model_spec
+from meshplan.cfp.export import house_plan
+from meshplan.cfp.measurement import Measurement
+from meshplan.cfp.models import ModelSpec, model_graph, model_spec
 from meshplan.cfp.profile import Profiles, ProfileSettings, load_profiles, profile
 from meshplan.cfp.report import analysis_text, comparison_text, plan_text, profiles_text
 from meshplan.cfp.search import STATISTICS, CfpPlan, search
+from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
@@ -73,7 +76,7 @@ class CfpRun:
 def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | None = None) -> dict[str, str]:
     """Run the passes `run.mode` asks for; print with `say`; return the files written."""
     run.check()
-    analysis = _analyze(run, say)
+    spec, analysis = _analyze(run, say)
     written = {"analysis": _write(run, "analysis.json", analysis.to_dict())}
     if run.mode == "analysis":
         return written
@@ -81,11 +84,11 @@ def run_cfp(run: CfpRun, say: Say, progress: Callable[[str, int, int], None] | N
     written["profiles"] = _write(run, "profiles.json", {"mode": profiles.mode, "segments": [
         p.to_dict() for p in profiles.segments]})
     if run.mode != "profile":
-        written |= _search_and_run(run, analysis, profiles, say)
+        written |= _search_and_run(run, spec, analysis, profiles, say)
     return written
 
 
-def _analyze(run: CfpRun, say: Say) -> Analysis:
+def _analyze(run: CfpRun, say: Say) -> tuple[ModelSpec, Analysis]:
     spec = model_spec(run.model, run.layers, run.batch, run.seq_len, run.reduced, run.dtype, run.train,
                       hidden=run.hidden, heads=run.heads, ffn=run.ffn, experts=run.experts)
     say(f"model {spec.describe()}")
@@ -95,10 +98,11 @@ def _analyze(run: CfpRun, say: Say) -> Analysis:
     analysis = analyze(model_graph(spec), mesh, CfpOptions(cost, run.max_combinations))
     for line in analysis_text(analysis):
         say(line)
-    return analysis
+    return spec, analysis
 
 
-def _search_and_run(run: CfpRun, analysis: Analysis, profiles: Profiles, say: Say) -> dict[str, str]:
+def _search_and_run(run: CfpRun, spec: ModelSpec, analysis: Analysis, profiles: Profiles, say: Say
+                    ) -> dict[str, str]:
     """Search, run the plan (in mode all next to the ILP's plan, measured alike), print, write."""
     plan = search(analysis, profiles, run.memory, run.statistic)
     comparison = _compare(run, analysis, profiles, plan) if run.mode == "all" else None
@@ -109,9 +113,11 @@ def _search_and_run(run: CfpRun, analysis: Analysis, profiles: Profiles, say: Sa
 
         measured = measure(analysis.graph, analysis.node_strategies(plan.block_choice), analysis.mesh, run.runs,
                            run.warmup)
-    for line in plan_text(analysis, plan, measured, graph_flops(analysis.graph)):
+    flops = graph_flops(analysis.graph)
+    for line in plan_text(analysis, plan, measured, flops):
         say(line)
-    written = {"plan": _write(run, "plan.json", plan.to_dict(analysis) | {"measured": _measured_dict(measured)})}
+    house = house_plan(analysis, plan, spec, profiles.segments[0].device, _measured_figures(measured, flops))
+    written = {"plan": _write(run, "plan.json", house.to_dict())}
     if comparison is not None:
         for line in comparison_text(comparison):
             say(line)
@@ -144,8 +150,6 @@ def _compare(run: CfpRun, analysis: Analysis, profiles: Profiles, plan: CfpPlan)
 
 def _mesh_and_cost(run: CfpRun) -> tuple[LogicalMesh, CostModel]:
     """The logical mesh priced with the runtime's device costs (placeholders, or a cluster file)."""
-    from meshplan.runtime.defaults import DeviceCosts
-
     costs = DeviceCosts.from_cluster(run.cluster_file) if run.cluster_file else DeviceCosts()
     mesh = costs.mesh(tuple(run.mesh))
     return mesh.with_memory(run.memory), CostModel(flops_per_second=costs.flops_per_second)
@@ -168,6 +172,9 @@ def _write(run: CfpRun, name: str, data: Any) -> str:
     return str(path)
 
 
-def _measured_dict(m) -> dict[str, Any]:
-    return {"status": m.status, "mean_s": m.mean_s, "std_s": m.std_s, "runs": m.runs,
-            "xla_peak_memory_bytes": m.peak_memory, "message": m.message}
+def _measured_figures(m: Measurement, flops: float) -> dict[str, float]:
+    """The measured run's figures (none when it did not run)."""
+    if m.status != "ok":
+        return {}
+    return {"mean_s": m.mean_s, "std_s": m.std_s, "median_s": m.median_s, "min_s": m.min_s, "runs": m.runs,
+            "tflops": flops / m.mean_s / 1e12, "xla_peak_memory_bytes": m.peak_memory or 0.0}

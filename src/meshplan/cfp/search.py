@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,7 +27,6 @@ from meshplan.errors import InfeasiblePlanError, OptionsError, PlanValidationErr
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.ir.node import OpKind
-from meshplan.sharding.spec import ShardingSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +43,7 @@ class CfpPlan:
         predicted_memory: bytes per device at the fullest segment.
         memory_budget: the budget held to (None: unlimited).
         solve: the solver's result.
+        num_variables, num_constraints: the size of the ILP (0 for the exhaustive search).
     """
 
     graph: str
@@ -59,34 +58,8 @@ class CfpPlan:
     predicted_memory: float
     memory_budget: float | None
     solve: SolveResult
-
-    def to_dict(self, analysis: Analysis) -> dict[str, Any]:
-        """The plan with every operator's sharding (spec string and JAX PartitionSpec entries)."""
-        g = analysis.graph
-        layouts = analysis.node_strategies(self.block_choice)
-        return {
-            "graph": self.graph, "mesh": list(self.mesh), "mode": self.mode, "statistic": self.statistic,
-            "predicted_time_s": self.predicted_time, "segment_time_s": self.segment_time,
-            "resharding_time_s": self.resharding_time, "predicted_memory_bytes": self.predicted_memory,
-            "memory_budget_bytes": self.memory_budget,
-            "solver": {"backend": self.solve.backend, "status": self.solve.status.value, "wall_s": self.solve.wall_s},
-            "blocks": [{"index": b.index, "lead": g[b.lead].label, "label": b.strategies[k].label,
-                        "strategy": b.strategies[k].name} for b, k in zip(analysis.blocks, self.block_choice,
-                                                                         strict=True)],
-            "operators": [{"id": n.id, "name": n.label, "op": n.op, "block": analysis.owner[n.id],
-                           "sharding": str(layouts[n.id].output), "partition_spec": partition_entries(
-                               layouts[n.id].output), "strategy": layouts[n.id].name} for n in g.nodes],
-        }
-
-
-def partition_entries(spec: ShardingSpec) -> list[Any]:
-    """A spec as JAX PartitionSpec entries over mesh axes named x, y, z (None: whole)."""
-    names = "xyz"
-    entries: list[Any] = []
-    for axes in spec.dims:
-        labels = [names[a] if a < len(names) else f"a{a}" for a in axes]
-        entries.append(None if not labels else labels[0] if len(labels) == 1 else labels)
-    return entries
+    num_variables: int = 0
+    num_constraints: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +106,8 @@ def search(analysis: Analysis, profiles: Profiles, memory_budget: float | None =
     if not result.has_solution:
         raise SolverError(f"{solver} found no CFP plan within {time_limit:g} s; raise the time limit")
     picked = [int(np.argmax([result.values[v] for v in xs])) for xs in x]
-    return _plan(analysis, profiles, statistic, options, edges, picked, memory_budget, result)
+    plan = _plan(analysis, profiles, statistic, options, edges, picked, memory_budget, result)
+    return replace(plan, num_variables=lp.num_vars, num_constraints=len(lp.rows))
 
 
 def search_exhaustive(analysis: Analysis, profiles: Profiles, memory_budget: float | None = None,
