@@ -49,7 +49,7 @@ def iopddl_case(name: str, scale: float) -> dict:
             "bound": solution.bound, "gap_to_bound": solution.gap, "stats": solution.stats}
 
 
-def llama_training_graph(layers: int = 80, batch: int = 8, seq: int = 4096):
+def llama_training_graph(layers: int = 80, batch: int = 2, seq: int = 2048):
     """An unshared LLaMA2-70B-shaped training step: forward, backward and Adam, one graph."""
     from meshplan.ir import DType, GraphBuilder, OpKind
     from meshplan.ir.autodiff import append_backward
