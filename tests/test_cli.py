@@ -58,3 +58,33 @@ def test_user_errors_are_one_message(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_solve_problem_writes_solution(tmp_path):
+    from pathlib import Path
+
+    from iopddl_score import load, score
+
+    example = Path(__file__).resolve().parents[1] / ".." / "shared" / "iopddl" / "example.json"
+    example = example if example.exists() else Path("/work/shared/iopddl/example.json")
+    out = tmp_path / "solution.json"
+    result = run("solve-problem", str(example), "--time-limit", "20", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["status"] == "optimal" and "optimal" in result.stdout
+    assert score(load(str(example)), data["solution"]) == (data["cost"], True)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no problem file"),
+    ("{not json", "not an IOPDDL problem"),
+    ('{"problem": {"nodes": {}}}', "missing field"),
+])
+def test_solve_problem_bad_input_is_one_message(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    result = run("solve-problem", str(path), "--out", str(tmp_path / "s.json"))
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "s.json").exists()

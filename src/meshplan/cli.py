@@ -97,6 +97,35 @@ def intra(
         print_intra_plan(plan, Console(), extra)
 
 
+@app.command("solve-problem")
+@user_errors
+def solve_problem_file(
+    path: Annotated[str, typer.Argument(help="Problem file in the IOPDDL format (.json or .json.gz).")],
+    time_limit: Annotated[float, typer.Option(help="Wall seconds for reading, solving and writing.")] = 60.0,
+    out: Annotated[str, typer.Option(help="Solution file to write (JSON).")] = "solution.json",
+    solver: Annotated[str, typer.Option(help="MIP backend: highs or cbc.")] = "highs",
+    seed: Annotated[int, typer.Option(help="Seed of the randomized search.")] = 0,
+) -> None:
+    """Solve an intra-op sharding problem given as arrays (IOPDDL format) and write the chosen strategies."""
+    import time
+
+    from meshplan.intra.iopddl import read_iopddl, solution_to_json
+    from meshplan.intra.problem_solver import ProblemOptions, solve_problem
+
+    start = time.perf_counter()
+    problem = read_iopddl(path)
+    spare = 1.0 + 0.02 * time_limit  # for writing the answer and leaving the process
+    left = time_limit - (time.perf_counter() - start) - spare
+    if left <= 0:
+        raise MeshplanError(f"reading {path!r} took the whole --time-limit of {time_limit:g} s; raise it")
+    solution = solve_problem(problem, ProblemOptions(time_limit=left, backend=solver, seed=seed))
+    write_json_atomic(out, solution_to_json(problem, solution))
+    cost = "no solution" if solution.cost is None else f"cost {solution.cost:,.0f}"
+    bound = "" if solution.bound is None else f", bound {solution.bound:,.0f}"
+    Console().print(f"{problem.name}: {solution.status.value}, {cost}{bound} in {time.perf_counter() - start:.1f} s; "
+                    f"wrote {out}")
+
+
 @app.command()
 @user_errors
 def simulate(

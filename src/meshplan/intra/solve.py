@@ -7,12 +7,14 @@ import warnings
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
+from meshplan.intra.graph_problem import graph_problem
 from meshplan.intra.ilp import VariableMap, build_ilp
 from meshplan.intra.layers import shared_groups
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
+from meshplan.intra.problem_solver import ProblemOptions, solve_problem
 from meshplan.intra.program import LinearProgram
-from meshplan.intra.solvers import SolveStatus, solve_program
+from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
 from meshplan.ir.graph import Graph, check_graph
 from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
@@ -21,8 +23,17 @@ from meshplan.sharding.spec import ShardingSpec
 
 def build_intra_problem(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None
                         ) -> tuple[StrategyGraph, LinearProgram, VariableMap, tuple[str, ...]]:
-    """Enumerate strategies, merge followers and build the ILP (no solving)."""
+    """Enumerate strategies, merge followers and build the explicit ILP (no solving; for
+    looking inside with `--dump-lp` and for tests of the strategy graph)."""
     options = options or IntraOptions()
+    sg, unsupported = build_strategies(graph, mesh, options)
+    canon = shared_groups(sg) if options.share_layers else None
+    lp, vm = build_ilp(sg, budget_of(mesh, options), canon)
+    return sg, lp, vm, unsupported
+
+
+def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> tuple[StrategyGraph, tuple[str, ...]]:
+    """Enumerate strategies and merge followers into a StrategyGraph; name unsupported ops."""
     check_graph(graph)
     check_mesh_fits(graph, mesh)
     with warnings.catch_warnings(record=True) as caught:
@@ -31,10 +42,7 @@ def build_intra_problem(graph: Graph, mesh: LogicalMesh, options: IntraOptions |
     unsupported = tuple(sorted({graph[n.node].op for n in nodes if n.fallback}))
     for w in caught:
         warnings.warn(w.message, w.category, stacklevel=3)
-    sg = build_strategy_graph(graph, mesh, options.cost, nodes)
-    canon = shared_groups(sg) if options.share_layers else None
-    lp, vm = build_ilp(sg, budget_of(mesh, options), canon)
-    return sg, lp, vm, unsupported
+    return build_strategy_graph(graph, mesh, options.cost, nodes), unsupported
 
 
 def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None) -> IntraPlan:
@@ -54,18 +62,22 @@ def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = 
     """
     options = options or IntraOptions()
     start = time.perf_counter()
-    sg, lp, vm, unsupported = build_intra_problem(graph, mesh, options)
-    build_s = time.perf_counter() - start
-    result = solve_program(lp, options.solver, options.time_limit, options.mip_gap)
+    sg, unsupported = build_strategies(graph, mesh, options)
     budget = budget_of(mesh, options)
-    if result.status is SolveStatus.INFEASIBLE:
+    gp = graph_problem(sg, budget, shared_groups(sg) if options.share_layers else None)
+    build_s = time.perf_counter() - start
+    solution = solve_problem(gp.problem, ProblemOptions(time_limit=options.time_limit, mip_gap=options.mip_gap,
+                                                        backend=options.solver))
+    if solution.status is SolveStatus.INFEASIBLE:
         raise _infeasible(sg, graph, mesh, budget, options)
-    if not result.has_solution:
+    if not solution.has_solution:
         raise SolverError(
             f"{options.solver} found no plan for {graph.name!r} on mesh {mesh.name} within "
             f"{options.time_limit:g} s; raise the time limit or share repeated layers (share_layers=True)")
-    group_choice = {g: vm.choice(g, result.values) for g in sg.groups}
-    return _plan(sg, group_choice, result, options, budget, build_s, unsupported, lp)
+    result = SolveResult(solution.status, solution.cost, solution.bound, solution.gap, solution.wall_s,
+                         solution.backend)
+    size = (solution.stats.get("mip_columns", 0), solution.stats.get("mip_rows", 0))
+    return _plan(sg, gp.group_choice(solution.choice), result, options, budget, build_s, unsupported, size)
 
 
 def budget_of(mesh: LogicalMesh, options: IntraOptions) -> float | None:
@@ -112,8 +124,8 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e7 else f"{nbytes:.0f} bytes"
 
 
-def _plan(sg: StrategyGraph, group_choice: dict[int, int], result, options: IntraOptions,
-          budget: float | None, build_s: float, unsupported: tuple[str, ...], lp: LinearProgram) -> IntraPlan:
+def _plan(sg: StrategyGraph, group_choice: dict[int, int], result: SolveResult, options: IntraOptions,
+          budget: float | None, build_s: float, unsupported: tuple[str, ...], size: tuple[int, int]) -> IntraPlan:
     graph = sg.graph
     choice = sg.node_choices(group_choice)
     chosen, reshardings = [], []
@@ -135,5 +147,5 @@ def _plan(sg: StrategyGraph, group_choice: dict[int, int], result, options: Intr
                                           ShardingSpec.replicated(produced.rank), collectives))
     breakdown = sg.evaluate(group_choice)
     return IntraPlan(graph.name, sg.mesh, tuple(chosen), breakdown.total, breakdown, sg.peak_memory(group_choice),
-                     budget, result, tuple(reshardings), options.share_layers, len(sg.groups), lp.num_vars,
-                     len(lp.rows), build_s, unsupported)
+                     budget, result, tuple(reshardings), options.share_layers, len(sg.groups), size[0], size[1],
+                     build_s, unsupported)

@@ -238,14 +238,14 @@ def dominated_choices(sg: StrategyGraph, canon: dict[int, int], excluded: dict[i
     return dominated
 
 
-def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
-    """Per program point t, the values held while node t runs.
+def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """Per node, the first and last program point (inclusive) at which its value is held.
 
     A value lives from its definition to its last use; parameters (weights, optimizer state,
     inputs) are held for the whole step, outputs to the end.
     """
     n = len(graph)
-    last_use = list(range(n))
+    last_use = np.arange(n)
     for node in graph.nodes:
         for operand in node.operands:
             last_use[operand] = max(last_use[operand], node.id)
@@ -253,7 +253,14 @@ def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
         last_use[out] = n - 1
     for node in graph.parameters():
         last_use[node.id] = n - 1
-    first = [0 if node.kind.value == "parameter" else node.id for node in graph.nodes]
+    first = np.array([0 if node.kind.value == "parameter" else node.id for node in graph.nodes], dtype=np.int64)
+    return first, last_use
+
+
+def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
+    """Per program point t, the values held while node t runs (see `live_ranges`)."""
+    n = len(graph)
+    first, last_use = live_ranges(graph)
     starts: list[list[int]] = [[] for _ in range(n)]
     ends: list[list[int]] = [[] for _ in range(n)]
     for v in range(n):

@@ -1,0 +1,261 @@
+"""The MIP of a strategy (sub)problem as sparse arrays, solved by HiGHS with a warm start.
+
+Block (nodes, edge matrices, memory terms over rows) -> MipModel (CSC matrix, bounds,
+integrality) -> MipOutcome (choice, objective, bound).
+
+Columns: s[v, i] binary per strategy (one_hot: sum_i s[v, i] = 1); per edge, after its row and
+column minima moved into the node costs, e[p, q] in [0, 1] per (row class, column class) pair
+of finite cost (classes: strategies with identical rows or columns), tied to s by
+sum_q e[p, q] = sum_{i in p} s[u, i] and sum_p e[p, q] = sum_{j in q} s[v, j]; this forces e to
+0/1 at integer s (a missing pair is forbidden). M[r] in [0, capacity[r]]: the memory chain of
+`memory.chain_block`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sparse
+
+from meshplan.intra.memory import MemoryRows, chain_block, row_loads
+from meshplan.intra.problem import Ragged
+from meshplan.intra.program import LinearProgram
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A strategy problem ready for the MIP (the whole reduced problem, or an LNS window).
+
+    Attributes:
+        costs: per node, its strategies' costs (finite).
+        offset: constant cost added to every assignment.
+        edges: (E, 2) node pairs; matrices: per edge its [k_u, k_v] cost matrix (inf = forbidden).
+        term_node, usage: per memory term, its node and its usage per strategy.
+        rows: memory rows with capacities and each term's row range.
+    """
+
+    costs: Ragged
+    offset: float
+    edges: np.ndarray
+    matrices: tuple[np.ndarray, ...]
+    term_node: np.ndarray
+    usage: Ragged
+    rows: MemoryRows
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.costs.lengths
+
+
+@dataclass(frozen=True, slots=True)
+class _EdgeVars:
+    """Where an edge's pair variables are: e[p, q] column, and the class of each strategy."""
+
+    u: int
+    v: int
+    row_class: np.ndarray
+    col_class: np.ndarray
+    column: np.ndarray  # [p, q] -> column, -1 where the pair is forbidden
+
+
+@dataclass(frozen=True, slots=True)
+class MipModel:
+    """minimize offset + cost . x, row_lower <= A x <= row_upper, bounds, some x integer."""
+
+    block: Block
+    cost: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    integer: np.ndarray
+    matrix: sparse.csc_matrix
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    offset: float
+    s_ptr: np.ndarray  # node v's strategy columns are s_ptr[v] .. s_ptr[v + 1] - 1
+    edge_vars: tuple[_EdgeVars, ...]
+    first_m: int
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.cost)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    def start_values(self, choice: np.ndarray) -> np.ndarray:
+        """The full column vector of an assignment (for a warm start)."""
+        x = np.zeros(self.num_cols)
+        x[self.s_ptr[:-1] + choice] = 1.0
+        for ev in self.edge_vars:
+            col = ev.column[ev.row_class[choice[ev.u]], ev.col_class[choice[ev.v]]]
+            if col >= 0:
+                x[col] = 1.0
+        b = self.block
+        use = b.usage.values[b.usage.ptr[:-1] + choice[b.term_node]] if len(b.term_node) else np.zeros(0)
+        x[self.first_m:] = row_loads(b.rows, use)
+        return x
+
+    def choice(self, x: np.ndarray) -> np.ndarray:
+        starts = self.s_ptr[:-1]
+        return np.array([int(np.argmax(x[a:b])) for a, b in zip(starts, self.s_ptr[1:], strict=True)],
+                        dtype=np.int64)
+
+    def to_linear_program(self) -> LinearProgram:
+        """The same program as a LinearProgram (for the CBC backend and LP-format dumps)."""
+        lp = LinearProgram(offset=self.offset)
+        for i in range(self.num_cols):
+            lp.add_var(f"x{i}", float(self.cost[i]), float(self.lower[i]), float(self.upper[i]), bool(self.integer[i]))
+        rows = self.matrix.tocsr()
+        for r in range(self.num_rows):
+            a, b = rows.indptr[r], rows.indptr[r + 1]
+            lp.add_row(dict(zip(rows.indices[a:b].tolist(), rows.data[a:b].tolist(), strict=True)),
+                       float(self.row_lower[r]), float(self.row_upper[r]), "r")
+        return lp
+
+
+def build_mip(block: Block) -> MipModel:
+    """Assemble the block's MIP (see the module docstring)."""
+    sizes = block.sizes
+    n_s = int(sizes.sum())
+    s_ptr = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=s_ptr[1:])
+    cost = [block.costs.values.copy()]
+    offset = block.offset
+    entries = [(np.repeat(np.arange(len(sizes)), sizes), np.arange(n_s), np.ones(n_s))]  # one_hot rows
+    n_rows, n_cols = len(sizes), n_s
+    edge_vars = []
+    for k, (u, v) in enumerate(block.edges):
+        peeled = _peel(block.matrices[k])
+        cost[0][s_ptr[u]:s_ptr[u + 1]] += peeled.row_min
+        cost[0][s_ptr[v]:s_ptr[v + 1]] += peeled.col_min
+        if peeled.residual is None:
+            continue
+        ev, e_cost, e_entries = _edge_columns(peeled, int(u), int(v), s_ptr, n_rows, n_cols)
+        edge_vars.append(ev)
+        cost.append(e_cost)
+        entries.extend(e_entries)
+        n_rows += len(peeled.row_members) + len(peeled.col_members)
+        n_cols += len(e_cost)
+    first_m = n_cols
+    rows = block.rows
+    term_var = (np.repeat(s_ptr[block.term_node], block.usage.lengths)
+                + np.arange(len(block.usage.values)) - np.repeat(block.usage.ptr[:-1], block.usage.lengths))
+    chain = chain_block(rows, term_var, block.usage.ptr, block.usage.values, first_m)
+    entries.append((chain.rows + n_rows, chain.cols, chain.values))
+    n_m = len(rows)
+    cost.append(np.zeros(n_m))
+    lower = np.concatenate([np.zeros(n_cols), np.zeros(n_m)])
+    upper = np.concatenate([np.ones(n_cols), rows.capacity])
+    integer = np.zeros(n_cols + n_m, dtype=bool)
+    integer[:n_s] = True
+    row_lower = np.concatenate([np.ones(len(sizes)), np.zeros(n_rows - len(sizes) + n_m)])
+    r, c, val = (np.concatenate([e[k] for e in entries]) for k in range(3))
+    matrix = sparse.coo_matrix((val, (r, c)), shape=(n_rows + n_m, n_cols + n_m)).tocsc()
+    return MipModel(block, np.concatenate(cost), lower, upper, integer, matrix, row_lower, row_lower.copy(),
+                    offset, s_ptr, tuple(edge_vars), first_m)
+
+
+@dataclass(frozen=True, slots=True)
+class _Peeled:
+    row_min: np.ndarray
+    col_min: np.ndarray
+    residual: np.ndarray | None  # class-pair costs [p, q] (inf = forbidden); None: nothing left
+    row_class: np.ndarray
+    col_class: np.ndarray
+    row_members: list[np.ndarray]
+    col_members: list[np.ndarray]
+
+
+def _peel(m: np.ndarray) -> _Peeled:
+    """Move row then column minima out of an edge matrix and merge identical rows/columns."""
+    row_min = m.min(axis=1)
+    r = m - row_min[:, None]
+    col_min = r.min(axis=0)
+    r = r - col_min[None, :]
+    if not r.any():
+        return _Peeled(row_min, col_min, None, np.zeros(0, np.int64), np.zeros(0, np.int64), [], [])
+    rows, row_class = np.unique(r, axis=0, return_inverse=True)
+    cols, col_class = np.unique(rows, axis=1, return_inverse=True)
+    row_class, col_class = row_class.ravel(), col_class.ravel()
+    return _Peeled(row_min, col_min, cols, row_class, col_class,
+                   [np.flatnonzero(row_class == p) for p in range(cols.shape[0])],
+                   [np.flatnonzero(col_class == q) for q in range(cols.shape[1])])
+
+
+def _edge_columns(peeled: _Peeled, u: int, v: int, s_ptr: np.ndarray, row0: int, col0: int):
+    """Columns e[p, q] of one edge and the entries of its row and column coupling rows."""
+    res = peeled.residual
+    finite = np.isfinite(res)
+    column = np.full(res.shape, -1, dtype=np.int64)
+    column[finite] = col0 + np.arange(int(finite.sum()))
+    e_cost = res[finite]
+    p_idx, q_idx = np.nonzero(finite)
+    n_p = res.shape[0]
+    # row p: sum_q e[p, q] - sum_{i in p} s[u, i] = 0 ; row n_p + q: sum_p e[p, q] - sum_{j in q} s[v, j] = 0
+    e_cols = column[p_idx, q_idx]
+    r = [row0 + p_idx, row0 + n_p + q_idx, row0 + peeled.row_class, row0 + n_p + peeled.col_class]
+    c = [e_cols, e_cols, s_ptr[u] + np.arange(len(peeled.row_class)), s_ptr[v] + np.arange(len(peeled.col_class))]
+    val = [np.ones(len(e_cols)), np.ones(len(e_cols)), -np.ones(len(peeled.row_class)),
+           -np.ones(len(peeled.col_class))]
+    entries = [(np.concatenate(r), np.concatenate(c), np.concatenate(val))]
+    return _EdgeVars(u, v, peeled.row_class, peeled.col_class, column), e_cost, entries
+
+
+@dataclass(frozen=True, slots=True)
+class MipOutcome:
+    """What HiGHS returned: an assignment (None if none found), its objective, the bound."""
+
+    choice: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    optimal: bool
+    infeasible: bool
+    wall_s: float
+
+
+def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = None, mip_gap: float = 0.0,
+              threads: int = 1) -> MipOutcome:
+    """Solve with HiGHS; `start` (an assignment of the block) is passed as the incumbent."""
+    import highspy
+
+    begin = time.perf_counter()
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", max(float(time_limit), 0.01))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    h.passModel(_highs_lp(highspy, model))
+    if start is not None:
+        h.setSolution(len(model.cost), np.arange(len(model.cost), dtype=np.int32), model.start_values(start))
+    h.run()
+    wall = time.perf_counter() - begin
+    info, status = h.getInfo(), h.getModelStatus()
+    ms = highspy.HighsModelStatus
+    if status == ms.kInfeasible:
+        return MipOutcome(None, None, None, False, True, wall)
+    bound = info.mip_dual_bound + model.offset if np.isfinite(info.mip_dual_bound) else None
+    if info.primal_solution_status != 2:  # no feasible solution
+        return MipOutcome(None, None, bound, False, False, wall)
+    x = np.asarray(h.getSolution().col_value)
+    objective = info.objective_function_value + model.offset
+    return MipOutcome(model.choice(x), objective, bound, status == ms.kOptimal, False, wall)
+
+
+def _highs_lp(highspy, model: MipModel):
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = model.num_cols, model.num_rows
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = model.cost, model.lower, model.upper
+    lp.row_lower_, lp.row_upper_ = model.row_lower, model.row_upper
+    a = model.matrix
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = a.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = a.indices.astype(np.int32)
+    lp.a_matrix_.value_ = a.data.astype(np.float64)
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = model.num_cols, model.num_rows
+    kinds = (highspy.HighsVarType.kContinuous, highspy.HighsVarType.kInteger)
+    lp.integrality_ = [kinds[k] for k in model.integer.tolist()]
+    return lp

@@ -1,0 +1,166 @@
+"""solve_problem on array problems: exhaustive enumeration on small ones, the shared IOPDDL
+instances re-scored by an independent evaluator (tests/iopddl_score.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from iopddl_score import FORBIDDEN_AT, load, peak_usage, score
+from meshplan.intra import ProblemOptions, SolveStatus, solve_problem, strategy_problem
+from meshplan.intra.iopddl import problem_from_iopddl, read_iopddl
+from meshplan.intra.memory import memory_rows
+from meshplan.intra.presolve import presolve
+from meshplan.intra.problem import ProblemError
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "iopddl"
+if not SHARED.exists():
+    SHARED = Path("/work/shared/iopddl")
+BEST_KNOWN = {"B": 532_843, "S": 1_521_949_307, "U": 2_443_995_952}
+
+
+def random_iopddl(rng: np.random.Generator, nodes: int, forbid: float, tight: float) -> dict:
+    """A random problem in the IOPDDL format, its limit between the smallest and largest peak."""
+    sizes = rng.integers(1, 4, size=nodes)
+    costs = [[int(c) for c in rng.integers(0, 20, size=k)] for k in sizes]
+    for row in costs:
+        if len(row) > 1 and rng.random() < forbid:
+            row[rng.integers(len(row))] = FORBIDDEN_AT
+    usages = [[int(u) for u in rng.integers(0, 10, size=k)] for k in sizes]
+    intervals = []
+    for _ in range(nodes):
+        lo = int(rng.integers(0, 8))
+        intervals.append([lo, lo + int(rng.integers(0, 5))])
+    pairs = [(u, v) for u in range(nodes) for v in range(u + 1, nodes) if rng.random() < 0.45]
+    matrices = []
+    for u, v in pairs:
+        m = rng.integers(0, 15, size=sizes[u] * sizes[v])
+        m[rng.random(len(m)) < forbid] = FORBIDDEN_AT
+        matrices.append([int(x) for x in m])
+    problem = {"name": "random", "nodes": {"intervals": intervals, "costs": costs, "usages": usages},
+               "edges": {"nodes": [list(p) for p in pairs], "costs": matrices}, "usage_limit": 0}
+    peaks = [peak_usage(problem, list(s)) for s in itertools.product(*(range(k) for k in sizes))]
+    problem["usage_limit"] = int(min(peaks) + tight * (max(peaks) - min(peaks)))
+    return problem
+
+
+def enumerate_best(problem: dict) -> int | None:
+    best = None
+    for combo in itertools.product(*(range(len(c)) for c in problem["nodes"]["costs"])):
+        cost, feasible = score(problem, list(combo))
+        if feasible and (best is None or cost < best):
+            best = cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_small_problems_equal_enumeration(seed):
+    rng = np.random.default_rng(seed)
+    raw = random_iopddl(rng, nodes=int(rng.integers(2, 8)), forbid=float(rng.choice([0.0, 0.2, 0.5])),
+                        tight=float(rng.choice([0.0, 0.3, 1.0])))
+    expected = enumerate_best(raw)
+    result = solve_problem(problem_from_iopddl({"problem": raw}), ProblemOptions(time_limit=20))
+    if expected is None:
+        assert result.status is SolveStatus.INFEASIBLE and result.choice is None
+        return
+    assert result.status is SolveStatus.OPTIMAL
+    assert score(raw, result.choice.tolist()) == (expected, True)
+    assert result.cost == expected and result.bound == expected
+
+
+def test_example_instance_is_optimal():
+    raw = load(str(SHARED / "example.json"))
+    result = solve_problem(read_iopddl(SHARED / "example.json"), ProblemOptions(time_limit=10))
+    assert result.status is SolveStatus.OPTIMAL
+    assert score(raw, result.choice.tolist()) == (enumerate_best(raw), True)
+
+
+def test_live_points_equal_intervals():
+    rng = np.random.default_rng(7)
+    raw = random_iopddl(rng, nodes=6, forbid=0.0, tight=0.2)
+    n = raw["nodes"]
+    points = [list(range(lo, hi)) for lo, hi in n["intervals"]]
+    by_points = strategy_problem(n["costs"], usages=n["usages"], live_points=points, edges=raw["edges"]["nodes"],
+                                 edge_costs=raw["edges"]["costs"], usage_limit=raw["usage_limit"])
+    assert solve_problem(by_points).cost == enumerate_best(raw)
+
+
+def test_forbidden_arguments_and_gapped_live_points():
+    # Node 0 may not take strategy 0; the pair (1, 1) is forbidden; node 1 is live at 0 and 2 only.
+    p = strategy_problem([[0, 5], [0, 1]], usages=[[1, 1], [4, 1]], live_points=[[1], [0, 2]],
+                         edges=[(0, 1)], edge_costs=[[0, 0, 0, 0]], forbidden=[(0, 0)],
+                         forbidden_pairs=[(0, 1, 1)], usage_limit=3)
+    assert len(p.memory) == 3  # node 1's two runs are two terms
+    result = solve_problem(p)
+    assert result.status is SolveStatus.INFEASIBLE  # node 1: strategy 0 needs 4 > 3, strategy 1 is forbidden
+    relaxed = solve_problem(p.__class__(p.costs, p.edge_nodes, p.edge_costs, p.memory, 4.0))
+    assert relaxed.choice.tolist() == [1, 0] and relaxed.cost == 5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_memory_rows_hold_the_peak(seed):
+    """The compact rows see the same peak as every time point, for any assignment."""
+    rng = np.random.default_rng(seed)
+    raw = random_iopddl(rng, nodes=7, forbid=0.0, tight=1.0)
+    p = problem_from_iopddl({"problem": raw})
+    pre = presolve(p)
+    q = pre.problem
+    rows = memory_rows(q.memory.lo, q.memory.hi, pre.base, float(raw["usage_limit"]))
+    for _ in range(10):
+        choice = np.array([rng.integers(k) for k in q.sizes], dtype=np.int64)
+        m = q.memory
+        use = m.usages.values[m.usages.ptr[:-1] + choice[m.node]] if len(m) else np.zeros(0)
+        loads = np.zeros(len(rows))
+        for t in range(len(m)):
+            loads[rows.first[t]:rows.last[t] + 1] += use[t]
+        worst = float((loads - rows.capacity).max(initial=-float(raw["usage_limit"]))) + raw["usage_limit"]
+        assert worst == pytest.approx(peak_usage(raw, pre.expand(choice).tolist()))
+        assert q.cost_of(choice) + pre.offset == score(raw, pre.expand(choice).tolist())[0]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda p: p["nodes"].pop("usages"), "missing field"),
+    (lambda p: p["edges"]["costs"][0].pop(), "has 1 costs; expected"),
+    (lambda p: p["edges"]["nodes"].__setitem__(0, [0, 9]), "out of range"),
+    (lambda p: p["nodes"]["costs"][1].__setitem__(0, -3), "non-negative"),
+])
+def test_malformed_problems_are_refused(change, message):
+    raw = load(str(SHARED / "example.json"))
+    change(raw)
+    with pytest.raises(ProblemError, match=message):
+        problem_from_iopddl({"problem": raw})
+
+
+def _shared(name: str, time_limit: float):
+    path = str(SHARED / f"asplos-2025-iopddl-{name}.json.gz")
+    raw = load(path)
+    result = solve_problem(read_iopddl(path), ProblemOptions(time_limit=time_limit))
+    cost, feasible = score(raw, result.choice.tolist())
+    return result, cost, feasible
+
+
+def test_shared_instance_b_reaches_best_known():
+    result, cost, feasible = _shared("B", 60)
+    assert feasible and cost == result.cost
+    assert cost <= 1.02 * BEST_KNOWN["B"]
+    assert result.bound is not None and result.bound <= cost
+
+
+@pytest.mark.parametrize("name", ["S", "U"])
+def test_large_shared_instances_are_feasible_quickly(name):
+    result, cost, feasible = _shared(name, 25)
+    assert result.status is SolveStatus.FEASIBLE and feasible and cost == result.cost
+    assert result.bound is not None and result.bound <= cost
+
+
+def test_solution_file_round_trips(tmp_path):
+    from meshplan.intra.iopddl import solution_to_json
+
+    p = read_iopddl(SHARED / "example.json")
+    data = solution_to_json(p, solve_problem(p))
+    assert json.loads(json.dumps(data))["solution"] == data["solution"]
+    assert score(load(str(SHARED / "example.json")), data["solution"]) == (data["cost"], True)
