@@ -1,4 +1,4 @@
-"""Train a two-layer MLP for a few SGD steps under `meshplan.api.parallelize` on 8 CPU devices.
+"""Train a two-layer MLP for a few SGD steps under `meshplan.parallelize` on 8 CPU devices.
 
 Run: python examples/mlp.py   (prints loss and step time; the first step includes planning)
 """

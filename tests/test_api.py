@@ -179,13 +179,13 @@ def input_specs(parallel):
     return {c.name: str(c.output) for c in parallel.get_plan().nodes if c.op == "parameter"}
 
 
-# Batch arguments come first for the data-parallel methods (args[0]: (x, y)); state is args[1].
-BATCH = {"args[0][0]": "S0R", "args[0][1]": "S0R"}
+# step(state, batch): the state is args[0] = (params, m, v, t), the batch args[1] = (x, y).
+BATCH = {"args[1][0]": "S0R", "args[1][1]": "S0R"}
 WEIGHTS = ("['w1']", "['w2']")
 
 
 def state_specs(specs, slot):
-    return [specs[f"args[1][{slot}]{w}"] for w in WEIGHTS]
+    return [specs[f"args[0][{slot}]{w}"] for w in WEIGHTS]
 
 
 @pytest.mark.parametrize("method", [DataParallel(), Zero2Parallel(), Zero3Parallel()], ids=lambda m: type(m).__name__)
@@ -210,7 +210,7 @@ def test_data_parallel_transformer_matches(method):
     step, state, batch = transformer_program()
     parallel = parallelize(step, method=method, batch_argnums=(1,))
     assert_same_training(parallel, step, state, batch)
-    assert input_specs(parallel)["args[0][0]"] == "S0RR"  # batch [8, 16, 64] split 8 ways
+    assert input_specs(parallel)["args[1][0]"] == "S0RR"  # batch [8, 16, 64] split 8 ways
 
 
 def test_plan_is_cached_per_input_signature(monkeypatch):
@@ -289,12 +289,15 @@ def test_dump_debug_info_writes_every_file(tmp_path):
 
 
 def test_unsupported_primitive_runs_and_warning_names_it():
-    parallel = parallelize(lambda x: jnp.cumsum(x, axis=1) * 2.0)
+    def doubling_until_large(x):  # a while loop whose trip count depends on the data: no static unrolling
+        return jax.lax.while_loop(lambda v: jnp.sum(v) < 1e4, lambda v: v * 2.0, x) + 1.0
+
+    parallel = parallelize(doubling_until_large)
     x = jnp.arange(32.0).reshape(8, 4)
-    with pytest.warns(UnsupportedPrimitiveWarning, match=r"no meshplan rule for primitive\(s\) cumsum"):
+    with pytest.warns(UnsupportedPrimitiveWarning, match=r"no meshplan rule for primitive\(s\) while"):
         out = parallel(x)
-    np.testing.assert_allclose(out, jnp.cumsum(x, axis=1) * 2.0, rtol=1e-6)
-    assert parallel.get_plan().unsupported_ops == ("cumsum",)
+    np.testing.assert_allclose(out, doubling_until_large(x), rtol=1e-6)
+    assert parallel.get_plan().unsupported_ops == ("while",)
 
 
 def test_mesh_shape_that_does_not_match_the_devices_is_a_clear_error():
@@ -307,10 +310,12 @@ def test_mesh_shape_that_does_not_match_the_devices_is_a_clear_error():
 def test_unknown_method_and_bad_batch_argnums_are_clear_errors():
     with pytest.raises(OptionsError, match=r"parallelize\(method='dp'\): unknown method; use ShardParallel"):
         parallelize(lambda x: x, method="dp")
-    parallel = parallelize(lambda x: x * 2, method=DataParallel())  # default batch_argnums=(1,)
-    with pytest.raises(OptionsError, match=r"DataParallel splits the batch arguments batch_argnums=\(1,\), but "
-                                           r"<lambda> was called with 1 argument"):
+    parallel = parallelize(lambda x: x * 2, method=DataParallel(), batch_argnums=(1,))
+    with pytest.raises(OptionsError, match=r"parallelize\(<lambda>, batch_argnums=\(1,\)\): position\(s\) \[1\] name "
+                                           r"no argument; <lambda> was called with 1 argument\(s\), at positions 0..0"):
         parallel(jnp.ones((8, 8)))
+    inferred = parallelize(lambda x: x * 2, method=DataParallel())  # x is rescaled, not updated: the batch
+    assert np.array_equal(inferred(jnp.ones((8, 8))), 2 * jnp.ones((8, 8)))
     assert np.array_equal(parallelize(lambda x: x * 2, method=DataParallel(), batch_argnums=(0,))(
         jnp.ones((8, 8))), 2 * jnp.ones((8, 8)))
 

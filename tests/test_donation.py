@@ -68,8 +68,7 @@ def test_donated_training_step_reuses_buffers_and_matches(method):
         new_state, _ = parallel(state, batch)
     last = parallel._last
     leaves = len(jax.tree_util.tree_leaves(state))  # params, m, v (3 each) and t: 10
-    first_state_leaf = 2 if method.splits_batch else 0  # DataParallel takes the batch (x, y) first
-    assert [a for a, _ in last.donation.pairs] == list(range(first_state_leaf, first_state_leaf + leaves))
+    assert [a for a, _ in last.donation.pairs] == list(range(leaves))  # the state comes first: step(state, batch)
     assert [r for _, r in last.donation.pairs] == list(range(leaves))  # new state, leaf for leaf
     assert alias_table(last.sharded.executable.as_text()) == sorted(last.donation.pairs)
     for a, r in last.donation.pairs:  # the ILP gave every pair one layout
@@ -96,11 +95,11 @@ def test_zero3_cannot_donate_biases_and_says_so(tmp_path):
     only replicated while Zero3Parallel keeps the bias itself split: no common layout."""
     step, state, batch = mlp_adam_program()
     parallel = parallelize(step, method=Zero3Parallel(), donate_argnums=(0,))
-    with pytest.warns(UnusedDonationWarning, match=r"args\[1\]\[0\]\['b1'\] float32\[256\], args\[1\]\[1\]\['b1'\] "
-                                                    r"float32\[256\], args\[1\]\[2\]\['b1'\] float32\[256\] \(the "
+    with pytest.warns(UnusedDonationWarning, match=r"args\[0\]\[0\]\['b1'\] float32\[256\], args\[0\]\[1\]\['b1'\] "
+                                                    r"float32\[256\], args\[0\]\[2\]\['b1'\] float32\[256\] \(the "
                                                     r"planner offers the argument and its result no common layout"):
         new_state, _ = parallel(state, batch)
-    assert parallel._last.donation.unplaceable == (2, 5, 8)  # flat: batch (x, y), then params, m, v, t
+    assert parallel._last.donation.unplaceable == (0, 3, 6)  # flat: params, m, v (b1 first in each), t, x, y
     assert alias_table(parallel._last.sharded.executable.as_text()) == sorted(parallel._last.donation.pairs)
     parallel(new_state, batch)
     assert {k: x.is_deleted() for k, x in new_state[0].items()} == {"b1": False, "w1": True, "w2": True}
@@ -110,7 +109,7 @@ def test_zero3_cannot_donate_biases_and_says_so(tmp_path):
         auto(state, batch)
     auto.dump_debug_info(tmp_path)
     report = json.loads((tmp_path / "diagnostics.json").read_text())
-    assert report["not_donated"] == [{"argument": f"args[1][{i}]['b1']", "reason": "no common layout with its result"}
+    assert report["not_donated"] == [{"argument": f"args[0][{i}]['b1']", "reason": "no common layout with its result"}
                                      for i in range(3)]
     assert len(report["donated"]) == 7 and report["involuntary_rematerializations"] == 0
 

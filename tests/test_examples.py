@@ -28,3 +28,17 @@ def test_pipeshard_gpt_example_trains(stages):
     losses = [float(x) for x in re.findall(r"step \d+: loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "pipeshard plan:" in out and "stage 0: layer(s) 0" in out
+
+
+def test_hf_flax_gpt2_example_trains_with_adamw():
+    out = run_example("hf_flax_gpt2.py", "--steps", "3", "--methods", "dp,zero3")
+    for method in ("dp", "zero3"):
+        losses = [float(x) for x in re.findall(rf"{method} step \d+: loss (\d+\.\d+)", out)]
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        assert f"{method}: mesh (8,), batch args[2] i32[16, 32] (dim 0)" in out  # the ids, found as the batch
+
+
+def test_serve_example_generates_like_one_device():
+    out = run_example("serve.py", "--model", "llama", "--new-tokens", "8")
+    assert "greedy equals one device: True" in out
+    assert re.search(r"decode plan: mesh \(2, 4\)", out) and "cached_key']: S" in out

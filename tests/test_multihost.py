@@ -28,7 +28,9 @@ def free_port() -> int:
 
 def run_two_processes(method: str) -> list[dict]:
     port = str(free_port())
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(HERE)}
+    # The workers import this checkout's meshplan (its src first), whatever is installed.
+    path = os.pathsep.join(str(p) for p in (HERE.parent / "src", HERE))
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": path}
     procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), port, method],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
     results = []

@@ -130,7 +130,7 @@ def test_reduce_scattered_weight_gradient_runs_as_planned():
         return x.T @ dy
 
     args = (jax.random.normal(jax.random.key(0), (4096, 64)), jax.random.normal(jax.random.key(1), (4096, 128)))
-    captured = tag_batch_inputs(capture(weight_grad, *args), 2)  # both inputs split along the batch
+    captured = tag_batch_inputs(capture(weight_grad, *args), [(0, 0), (1, 0)])  # both inputs split along the batch
     options = OPTIONS.replace(force_batch_dim_to_mesh_dim=0, reduce_scatter=True)
     plan = solve_intra(captured.graph, LogicalMesh((8,), (1e-5,), (1e-9,)), options)
     (dw,) = captured.output_nodes

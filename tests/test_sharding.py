@@ -6,8 +6,8 @@ import pytest
 
 from meshplan import LogicalMesh, ShardingSpec
 from meshplan.cost import CollectiveCosts, CollectiveKind, CostModel
+from meshplan.ir.dimflow import reshape_groups
 from meshplan.sharding import reshape_spec, resharding_collectives
-from meshplan.sharding.spec import reshape_groups
 
 MESH = LogicalMesh((2, 4), (1.0, 2.0), (0.5, 0.25))
 

@@ -1,4 +1,8 @@
-"""meshplan: automatic data, tensor and pipeline parallelism planning (after Alpa)."""
+"""meshplan: automatic data, tensor and pipeline parallelism planning (after Alpa).
+
+To capture a JAX function as a Graph: `meshplan.capture.capture(fn, *args)` (the subpackage
+`meshplan.capture` takes that name once the runtime is loaded, so no lazy alias is offered).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ from meshplan.sharding.spec import ShardingSpec
 from meshplan.simulator import PlannerOptions, Simulation, TrainingJob, simulate
 
 if TYPE_CHECKING:  # the runtime needs JAX (the `jax` extra); these load on first use
-    from meshplan.capture import capture
     from meshplan.parallel import (
         DataParallel,
         PipeshardParallel,
@@ -43,11 +46,13 @@ if TYPE_CHECKING:  # the runtime needs JAX (the `jax` extra); these load on firs
         parallelize,
     )
     from meshplan.runtime import mark_pipeline_boundary
+    from meshplan.serving import Decoder, Server, serve
 
 _RUNTIME = {
     **dict.fromkeys(("parallelize", "ShardParallel", "DataParallel", "Zero2Parallel", "Zero3Parallel",
                      "TensorParallel", "PipeshardParallel", "PipeshardStage", "apply_update"), "meshplan.parallel"),
-    "capture": "meshplan.capture", "mark_pipeline_boundary": "meshplan.runtime",
+    "mark_pipeline_boundary": "meshplan.runtime",
+    "serve": "meshplan.serving", "Server": "meshplan.serving", "Decoder": "meshplan.serving",
 }
 
 
@@ -64,5 +69,5 @@ __all__ = [
     "check_graph", "format_graph", "get_device", "llama_forward", "model_config", "simulate", "solve_intra",
     # runtime, loaded on first use
     "DataParallel", "PipeshardParallel", "PipeshardStage", "ShardParallel", "TensorParallel", "Zero2Parallel",
-    "Zero3Parallel", "apply_update", "capture", "mark_pipeline_boundary", "parallelize",
+    "Zero3Parallel", "apply_update", "mark_pipeline_boundary", "parallelize", "Decoder", "Server", "serve",
 ]

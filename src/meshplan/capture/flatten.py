@@ -1,4 +1,5 @@
-"""Flatten a ClosedJaxpr into a straight-line program: nested calls inlined, static scans unrolled.
+"""Flatten a ClosedJaxpr into a straight-line program: nested calls inlined, static scans and
+while loops of a static trip count unrolled, both branches of a cond run and their results selected.
 
 Jaxpr variables are not unique across call sites (a cached inner jaxpr is shared by every
 call), so the flat program names each value by a fresh integer instead of by its Var.
@@ -12,10 +13,14 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from meshplan.capture.control import UNKNOWN, static_trip_count
+
 # Primitives whose body is run as-is: calling them is the same as running their jaxpr.
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                      "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin"})
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Longest while loop unrolled; longer ones stay one opaque (replicated) step.
+MAX_UNROLLED_TRIPS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,12 @@ def _expand(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
             return _inline(prog, body, ins)
     if name == "scan" and not eqn.params.get("_split_transpose", False):
         return _unroll_scan(prog, eqn, ins)
+    if name == "cond" and not eqn.effects:
+        return _both_branches(prog, eqn, ins)
+    if name == "while" and not eqn.effects:
+        outs = _unroll_while(prog, eqn, ins)
+        if outs is not None:
+            return outs
     outs = [prog.new_value(v.aval) for v in eqn.outvars]
     params = eqn.primitive.get_bind_params(eqn.params)
     prog.steps.append(Step(eqn.primitive, dict(params[1]) if isinstance(params, tuple) else dict(params),
@@ -146,6 +157,33 @@ def _unroll_scan(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
     return list(carry) + ys
 
 
+def _both_branches(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
+    """Every branch, then select_n(index, ...) per result: the plan covers both branches and the
+    result is the chosen branch's. (XLA would run one branch; the flat program runs them all.)"""
+    index, operands = ins[0], ins[1:]
+    results = [_inline(prog, branch, operands) for branch in eqn.params["branches"]]
+    outs = []
+    for j, var in enumerate(eqn.outvars):
+        cases = [r[j] for r in results]
+        outs.append(cases[0] if len(set(cases)) == 1 else _synthetic(prog, _select, [index, *cases], var.aval))
+    return outs
+
+
+def _unroll_while(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int] | None:
+    """Unroll a while loop whose trip count the program fixes (see `capture.control`), else None."""
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    known = [prog.constants.get(i, UNKNOWN) for i in ins]
+    trips = static_trip_count(p["cond_jaxpr"], p["body_jaxpr"], known[:nc], known[nc:nc + nb], known[nc + nb:],
+                              MAX_UNROLLED_TRIPS)
+    if trips is None:
+        return None
+    consts, carry = ins[nc:nc + nb], ins[nc + nb:]
+    for _ in range(trips):
+        carry = _inline(prog, p["body_jaxpr"], consts + carry)
+    return list(carry)
+
+
 @dataclass(frozen=True, slots=True)
 class Synthetic:
     """A pseudo-primitive for steps the unroller adds (row of a scan input, stacking of outputs)."""
@@ -174,6 +212,15 @@ def _stack_rows(*rows: Any) -> Any:
 
 
 _stack = Synthetic("scan_stack", _stack_rows)
+
+
+def _select_cases(which: Any, *cases: Any) -> Any:
+    from jax import lax  # local, as in _stack_rows
+
+    return lax.select_n(which, *cases)
+
+
+_select = Synthetic("select_n", _select_cases)
 
 
 def _row_aval(aval: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from meshplan.capture import indexing  # noqa: F401  (registers the gather and scatter rules)
+from meshplan.capture import indexing, ordering, prng, windows  # noqa: F401  (register their rules)
 from meshplan.capture.flatten import FlatProgram, flatten
 from meshplan.capture.rules import PASS_THROUGH, RULES, ir_dtype
 from meshplan.ir import Graph, GraphBuilder
@@ -85,15 +85,14 @@ def capture(fn: Callable[..., Any], *example_args: Any, name: str | None = None)
                     jax.tree_util.tree_structure(out_shape), unsupported)
 
 
-def tag_batch_inputs(captured: Captured, num_batch_leaves: int) -> Captured:
-    """Mark the first `num_batch_leaves` inputs (with a dim) as batch inputs: planned with a
-    forced batch axis (`IntraOptions.force_batch_dim_to_mesh_dim`), they are split along dim 0."""
+def tag_batch_inputs(captured: Captured, dims: Iterable[tuple[int, int]]) -> Captured:
+    """Mark batch inputs: (flat input index, batch dim) pairs, e.g. `BatchInputs.dims`. Planned
+    with a forced batch axis (`IntraOptions.force_batch_dim_to_mesh_dim`), they are split along
+    that dim, and so is every value the dim reaches."""
     nodes = list(captured.graph.nodes)
-    for node_id in captured.input_nodes[:num_batch_leaves]:
-        node = nodes[node_id]
-        if node.rank:
-            nodes[node_id] = dataclasses.replace(node, attrs=tuple(sorted({**dict(node.attrs),
-                                                                         "batch_input": True}.items())))
+    for leaf, dim in dims:
+        node = nodes[captured.input_nodes[leaf]]
+        nodes[node.id] = dataclasses.replace(node, attrs=tuple(sorted({**dict(node.attrs), "batch_dim": dim}.items())))
     return dataclasses.replace(captured, graph=dataclasses.replace(captured.graph, nodes=tuple(nodes)))
 
 

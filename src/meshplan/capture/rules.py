@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from meshplan.capture.flatten import Step
@@ -27,6 +28,8 @@ _DTYPE_STAND_INS = {"uint32": DType.I32, "int16": DType.F16, "uint16": DType.F16
 
 def ir_dtype(dtype: Any) -> DType:
     """The meshplan DType of a NumPy/JAX dtype (float32 -> f32, bool -> pred, ...)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return DType.I64  # a typed PRNG key (threefry's holds two uint32 words): same bytes
     name = np.dtype(dtype).name
     return _DTYPE_STAND_INS.get(name) or as_dtype(name)
 
@@ -52,9 +55,23 @@ def _to_shape(b: GraphBuilder, x: int, shape: Sequence[int]) -> int:
     return b.broadcast(x, shape, range(len(own)) if own else ())
 
 
-@register(*UNARY_OPS - {"copy", "not"})
+@register(*UNARY_OPS - {"copy", "round", "bitcast"})
 def _unary(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
-    return [b.unary(step.name, xs[0])]
+    return [b.unary(step.name, xs[0], dtype=ir_dtype(step.avals[0].dtype))]
+
+
+@register("round")
+def _round(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    if int(step.params["rounding_method"]) != 1:  # only half-to-even (jnp.round) has an IR form
+        raise NotImplementedError
+    return [b.unary("round", xs[0])]
+
+
+@register("bitcast_convert_type")
+def _bitcast(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    if b.shape(xs[0]) != _shape(step):  # a bitcast between widths reshapes; no IR form
+        raise NotImplementedError
+    return [b.unary("bitcast", xs[0], dtype=ir_dtype(step.avals[0].dtype))]
 
 
 @register("erfc")
@@ -63,7 +80,7 @@ def _erfc(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     return [b.sub(one, b.unary("erf", xs[0]))]
 
 
-@register(*BINARY_OPS - {"and", "or"}, "add_any")
+@register(*BINARY_OPS, "add_any")
 def _binary(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     op = "add" if step.name == "add_any" else step.name
     shape = _shape(step)
@@ -95,11 +112,21 @@ def _convert(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
 
 @register("select_n")
 def _select(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
-    if len(xs) != 3:  # select_n with more than two cases has no IR form
-        raise NotImplementedError
     shape = _shape(step)
-    pred, on_false, on_true = (_to_shape(b, x, shape) for x in xs)  # select_n(pred, false, true)
-    return [b.select(pred, on_true, on_false)]
+    which, *cases = (_to_shape(b, x, shape) for x in xs)  # select_n(which, case 0, case 1, ...)
+    if len(cases) == 2:
+        return [b.select(which, cases[1], cases[0])]
+    out = cases[0]
+    for k, case in enumerate(cases[1:], start=1):  # more cases: a chain of (which == k) selects
+        out = b.select(b.compare(which, b.full(shape, float(k), b.node(which).dtype), "eq"), case, out)
+    return [out]
+
+
+@register("clamp")
+def _clamp(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
+    shape = _shape(step)
+    low, x, high = (_to_shape(b, v, shape) for v in xs)  # clamp(min, x, max) = min(max(x, min), max), as XLA
+    return [b.binary("min", b.max(x, low), high)]
 
 
 @register("dot_general")

@@ -40,7 +40,8 @@ class VjpRule:
 _KIND_RULES: dict[OpKind, VjpRule] = {}
 _ELEMENTWISE_RULES: dict[str, VjpRule] = {}
 # Piecewise-constant or boolean ops: their derivative is zero wherever it exists.
-_ZERO_GRAD_OPS = frozenset({"compare", "sign", "floor", "ceil", "and", "or", "not"})
+_ZERO_GRAD_OPS = frozenset({"compare", "sign", "floor", "ceil", "round", "and", "or", "not", "xor", "is_finite",
+                            "shift_left", "shift_right_logical", "shift_right_arithmetic"})
 _LEAVES = frozenset({OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA})
 
 

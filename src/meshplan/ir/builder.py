@@ -15,9 +15,12 @@ from meshplan.ir.node import Node, OpKind, freeze_attrs
 
 UNARY_OPS = frozenset({
     "neg", "exp", "log", "rsqrt", "sqrt", "tanh", "logistic", "abs", "sign", "erf", "sin",
-    "cos", "copy", "floor", "ceil", "not", "square", "log1p", "expm1",
+    "cos", "copy", "floor", "ceil", "not", "square", "log1p", "expm1", "is_finite", "erf_inv",
+    "round", "tan", "bitcast",
 })
-BINARY_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "and", "or", "rem"})
+BINARY_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "and", "or", "rem", "xor", "atan2",
+                        "shift_left", "shift_right_logical", "shift_right_arithmetic"})
+CUMULATIVE_OPS = frozenset({"sum", "prod", "max", "min", "logsumexp"})
 COMPARE_DIRECTIONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod"})
 _INTEGER_DTYPES = frozenset({DType.I64, DType.I32, DType.I8, DType.U8})
@@ -117,11 +120,13 @@ class GraphBuilder:
 
     # -- elementwise -------------------------------------------------------------------------
 
-    def unary(self, op: str, x: int, name: str = "") -> int:
+    def unary(self, op: str, x: int, name: str = "", dtype: DType | str | None = None) -> int:
+        """An elementwise op of one operand; `dtype` for ops whose result type differs (is_finite's
+        pred, a bitcast to another type of the same width)."""
         if op not in UNARY_OPS:
             raise GraphError(f"unknown unary op {op!r}; use one of {sorted(UNARY_OPS)}")
         node = self._node(x)
-        return self._add(OpKind.ELEMENTWISE, (x,), node.shape, node.dtype, {"op": op}, name)
+        return self._add(OpKind.ELEMENTWISE, (x,), node.shape, dtype or node.dtype, {"op": op}, name)
 
     def binary(self, op: str, x: int, y: int, name: str = "") -> int:
         if op not in BINARY_OPS:
@@ -293,17 +298,78 @@ class GraphBuilder:
         Starts are clamped so the window stays inside `x`, as in XLA.
         """
         node, starts, sizes = self._node(x), tuple(starts), tuple(int(s) for s in sizes)
-        if len(starts) != node.rank or len(sizes) != node.rank:
-            raise GraphError(f"dynamic_slice of {node.label} {node.shape}: starts and sizes need {node.rank} entries")
-        for d, (start, size) in enumerate(zip(starts, sizes, strict=True)):
-            s = self._node(start)
-            if s.shape != () or s.dtype not in _INTEGER_DTYPES:
-                raise GraphError(f"dynamic_slice of {node.label}: start of dim {d} ({s.label}) must be an "
-                                 f"integer scalar, got {s.dtype}{list(s.shape)}")
+        if len(sizes) != node.rank:
+            raise GraphError(f"dynamic_slice of {node.label} {node.shape}: sizes need {node.rank} entries")
+        self._check_starts("dynamic_slice", node, starts)
+        for d, size in enumerate(sizes):
             if not 0 <= size <= node.shape[d]:
                 raise GraphError(f"dynamic_slice of {node.label} {node.shape}: size {size} of dim {d} "
                                  f"does not fit in [0, {node.shape[d]}]")
         return self._add(OpKind.DYNAMIC_SLICE, (x, *starts), sizes, node.dtype, {}, name)
+
+    def dynamic_update_slice(self, x: int, update: int, starts: Sequence[int], name: str = "") -> int:
+        """`x` with the window at run-time `starts` (one integer scalar node per dim) overwritten by
+        `update`. Starts are clamped so the window stays inside `x`, as in XLA."""
+        node, u, starts = self._node(x), self._node(update), tuple(starts)
+        if u.rank != node.rank or any(a > b for a, b in zip(u.shape, node.shape, strict=True)):
+            raise GraphError(f"dynamic_update_slice of {node.label} {node.shape}: update {u.label} {u.shape} "
+                             "must have the same rank and fit inside it")
+        self._check_starts("dynamic_update_slice", node, starts)
+        return self._add(OpKind.DYNAMIC_UPDATE_SLICE, (x, update, *starts), node.shape, node.dtype, {}, name)
+
+    def cumulative(self, x: int, dim: int, op: str = "sum", reverse: bool = False, name: str = "") -> int:
+        """Running `op` ("sum", "prod", "max", "min", "logsumexp") along `dim` (from the end if `reverse`)."""
+        node = self._node(x)
+        if op not in CUMULATIVE_OPS:
+            raise GraphError(f"unknown cumulative op {op!r}; use one of {sorted(CUMULATIVE_OPS)}")
+        self._check_dims("cumulative", (dim,), node.rank)
+        return self._add(OpKind.CUMULATIVE, (x,), node.shape, node.dtype, {"op": op, "dim": dim,
+                                                                          "reverse": bool(reverse)}, name)
+
+    def sort(self, xs: Sequence[int], dim: int, num_keys: int = 1, output: int = 0, name: str = "") -> int:
+        """Result `output` of sorting the equal-shaped `xs` together along `dim` (ascending,
+        stable), ordered by the first `num_keys` of them (lexicographically)."""
+        nodes = [self._node(x) for x in xs]
+        self._same_shape("sort", xs)
+        self._check_dims("sort", (dim,), nodes[0].rank)
+        if not 1 <= num_keys <= len(nodes) or not 0 <= output < len(nodes):
+            raise GraphError(f"sort of {len(nodes)} operand(s): num_keys={num_keys} and output={output} "
+                             "must index the operands")
+        attrs = {"dim": dim, "num_keys": num_keys, "output": output}
+        return self._add(OpKind.SORT, tuple(xs), nodes[output].shape, nodes[output].dtype, attrs, name)
+
+    def top_k(self, x: int, k: int, output: int = 0, dim: int | None = None, index_dtype: DType | str = DType.I32,
+              name: str = "") -> int:
+        """The `k` largest entries along `dim` (default: the last), largest first (lower index first
+        on ties): their values (`output=0`) or their indices (`output=1`)."""
+        node = self._node(x)
+        dim = node.rank - 1 if dim is None else dim
+        self._check_dims("top_k", (dim,), node.rank)
+        if not 0 < k <= node.shape[dim] or output not in (0, 1):
+            raise GraphError(f"top_k of {node.label} {node.shape}: k={k} must lie in [1, {node.shape[dim]}] and "
+                             "output must be 0 (values) or 1 (indices)")
+        shape = node.shape[:dim] + (k,) + node.shape[dim + 1:]
+        dtype = node.dtype if output == 0 else index_dtype
+        return self._add(OpKind.TOP_K, (x,), shape, dtype, {"k": k, "output": output, "dim": dim}, name)
+
+    def arg_reduce(self, x: int, dim: int, op: str = "argmax", dtype: DType | str = DType.I32, name: str = "") -> int:
+        """The index of the largest (argmax) or smallest (argmin) entry along `dim` (the first on ties)."""
+        node = self._node(x)
+        if op not in ("argmax", "argmin"):
+            raise GraphError(f"unknown arg_reduce op {op!r}; use argmax or argmin")
+        self._check_dims(op, (dim,), node.rank)
+        shape = node.shape[:dim] + node.shape[dim + 1:]
+        return self._add(OpKind.ARG_REDUCE, (x,), shape, dtype, {"op": op, "dim": dim}, name)
+
+    def random(self, operands: Sequence[int], shape: Sequence[int], dtype: DType | str, op: str,
+               partitionable: bool = False, output: int = 0, name: str = "") -> int:
+        """Result `output` of random bits or PRNG key handling (`op` names the JAX primitive).
+        `partitionable`: the values do not depend on how the result is split (threefry with
+        partitionable counters), so any split of it is free."""
+        for x in operands:
+            self._node(x)
+        attrs = {"op": op, "partitionable": bool(partitionable), "output": output}
+        return self._add(OpKind.RANDOM, tuple(operands), shape, dtype, attrs, name)
 
     def opaque(self, operands: Sequence[int], shape: Sequence[int], dtype: DType | str,
                op: str, name: str = "") -> int:
@@ -403,6 +469,16 @@ class GraphBuilder:
         if indices.shape[:batch_dims] != shape[:batch_dims]:
             raise GraphError(f"{where}: the {batch_dims} batch dims of indices {indices.label} {indices.shape} "
                              f"and of {shape} differ; batch dims must have equal sizes")
+
+    def _check_starts(self, what: str, node: Node, starts: tuple[int, ...]) -> None:
+        """One integer scalar start node per dim of `node`."""
+        if len(starts) != node.rank:
+            raise GraphError(f"{what} of {node.label} {node.shape}: starts need {node.rank} entries")
+        for d, start in enumerate(starts):
+            s = self._node(start)
+            if s.shape != () or s.dtype not in _INTEGER_DTYPES:
+                raise GraphError(f"{what} of {node.label}: start of dim {d} ({s.label}) must be an "
+                                 f"integer scalar, got {s.dtype}{list(s.shape)}")
 
     @staticmethod
     def _check_dims(what: str, dims: Sequence[int], rank: int) -> None:

@@ -11,6 +11,7 @@ from meshplan.ir.node import Node, OpKind
 _DATA_MOVEMENT = {
     OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA, OpKind.BROADCAST, OpKind.RESHAPE,
     OpKind.TRANSPOSE, OpKind.SLICE, OpKind.CONCATENATE, OpKind.GATHER, OpKind.DYNAMIC_SLICE,
+    OpKind.DYNAMIC_UPDATE_SLICE,
 }
 # Elementwise ops that cost several FLOPs per element (rough libm figures).
 _TRANSCENDENTAL_FLOPS = {"exp": 4, "log": 4, "tanh": 6, "logistic": 6, "rsqrt": 2, "sqrt": 2,
@@ -27,8 +28,13 @@ def node_flops(graph: Graph, node: Node) -> float:
         return float(graph[node.operands[0]].size)
     if node.kind is OpKind.SCATTER_ADD:
         return float(graph[node.operands[1]].size)  # one add per update element
+    if node.kind in (OpKind.TOP_K, OpKind.ARG_REDUCE):
+        return float(graph[node.operands[0]].size)  # one comparison per entry read
+    if node.kind is OpKind.SORT:  # n log n comparisons, counted once (on the first result)
+        n = node.shape[node.attr("dim")]
+        return float(node.size * max(math.log2(n), 1.0)) if node.attr("output") == 0 else 0.0
     if node.kind is OpKind.ELEMENTWISE:
-        if node.op in ("convert", "select", "copy"):
+        if node.op in ("convert", "select", "copy", "bitcast"):
             return 0.0
         return float(node.size * _TRANSCENDENTAL_FLOPS.get(node.op, 1))
     if node.kind in _DATA_MOVEMENT:

@@ -169,17 +169,32 @@ def _divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x / y
 
 
+def _erf_inv(x: np.ndarray) -> np.ndarray:
+    from scipy.special import erfinv  # SciPy comes with JAX; the rest of the interpreter needs only NumPy
+
+    return erfinv(x)
+
+
+def _shift_right_logical(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Signed stand-ins of unsigned types (uint32 as i32) shift in zeros from the top.
+    unsigned = np.dtype(f"u{x.dtype.itemsize}")
+    return (x.view(unsigned) >> y.astype(unsigned)).view(x.dtype)
+
+
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "rsqrt": lambda x: 1 / np.sqrt(x), "sqrt": np.sqrt,
     "tanh": np.tanh, "logistic": lambda x: 0.5 * (1 + np.tanh(0.5 * x)), "abs": np.abs, "sign": np.sign,
     "erf": np.vectorize(math.erf, otypes=[np.float64]), "sin": np.sin, "cos": np.cos, "copy": np.copy,
     "floor": np.floor, "ceil": np.ceil, "not": _bitwise_or_logical(np.logical_not, np.invert),
-    "square": np.square, "log1p": np.log1p, "expm1": np.expm1,
+    "square": np.square, "log1p": np.log1p, "expm1": np.expm1, "is_finite": np.isfinite, "erf_inv": _erf_inv,
+    "round": np.round, "tan": np.tan,  # round: half to even, the only rounding capture maps here
 }
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _divide, "max": np.maximum,
     "min": np.minimum, "pow": np.power, "and": _bitwise_or_logical(np.logical_and, np.bitwise_and),
     "or": _bitwise_or_logical(np.logical_or, np.bitwise_or), "rem": np.fmod,  # fmod: sign of x, as XLA
+    "xor": _bitwise_or_logical(np.logical_xor, np.bitwise_xor), "atan2": np.arctan2, "shift_left": np.left_shift,
+    "shift_right_logical": _shift_right_logical, "shift_right_arithmetic": np.right_shift,
 }
 _COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
             "ge": np.greater_equal}
@@ -194,6 +209,8 @@ def _elementwise(node: Node, args: list[np.ndarray]) -> np.ndarray:
         return np.where(args[0], args[1], args[2])
     if op == "convert":
         return args[0]  # the cast to the node's dtype follows every op
+    if op == "bitcast":
+        return args[0].view(_NUMPY_DTYPES[node.dtype])
     table = _UNARY if len(args) == 1 else _BINARY
     if op not in table:
         raise GraphError(f"evaluate: elementwise op {op!r} of node {node.label} is unknown to the interpreter")
@@ -294,3 +311,50 @@ def _scatter_add(node: Node, args: list[np.ndarray]) -> np.ndarray:
     kept = np.where(inside, updates, np.zeros((), updates.dtype))  # XLA's scatter drops out-of-range updates
     np.add.at(out, _take_index(node.shape, ids, axis, node.attr("batch_dims")), kept)
     return out
+
+
+# -- windows, scans, sorts -----------------------------------------------------------------------
+
+
+@_register(OpKind.DYNAMIC_UPDATE_SLICE)
+def _dynamic_update_slice(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    x, update, starts = args[0], args[1], args[2:]
+    first = [min(max(int(s), 0), x.shape[d] - update.shape[d]) for d, s in enumerate(starts)]
+    out = np.array(x, copy=True)
+    out[tuple(slice(f, f + n) for f, n in zip(first, update.shape, strict=True))] = update
+    return out
+
+
+_ACCUMULATORS = {"sum": np.cumsum, "prod": np.cumprod, "max": np.maximum.accumulate,
+                 "min": np.minimum.accumulate, "logsumexp": np.logaddexp.accumulate}
+
+
+@_register(OpKind.CUMULATIVE)
+def _cumulative(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    dim, x = node.attr("dim"), args[0]
+    if node.attr("reverse"):
+        return np.flip(_ACCUMULATORS[node.op](np.flip(x, dim), axis=dim), dim)
+    return _ACCUMULATORS[node.op](x, axis=dim)
+
+
+@_register(OpKind.SORT)
+def _sort(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    dim = node.attr("dim")
+    keys = [np.moveaxis(k, dim, -1) for k in args[:node.attr("num_keys")]]
+    order = np.lexsort(keys[::-1], axis=-1)  # lexsort sorts by its last key first; it is stable
+    picked = np.take_along_axis(np.moveaxis(args[node.attr("output")], dim, -1), order, axis=-1)
+    return np.moveaxis(picked, -1, dim)
+
+
+@_register(OpKind.TOP_K)
+def _top_k(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    x, dim = np.moveaxis(args[0], node.attr("dim"), -1), node.attr("dim")
+    order = np.argsort(-x.astype(np.float64), axis=-1, kind="stable")[..., :node.attr("k")]
+    picked = order if node.attr("output") == 1 else np.take_along_axis(x, order, axis=-1)
+    return np.moveaxis(picked, -1, dim)
+
+
+@_register(OpKind.ARG_REDUCE)
+def _arg_reduce(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    pick = np.argmax if node.op == "argmax" else np.argmin
+    return pick(args[0], axis=node.attr("dim"))

@@ -27,6 +27,12 @@ class OpKind(enum.Enum):
     GATHER = "gather"  # entries along one dim picked by indices, with batch dims (embedding, label pick)
     DYNAMIC_SLICE = "dynamic_slice"
     SCATTER_ADD = "scatter_add"  # gather's transpose: updates added into zeros at indices
+    DYNAMIC_UPDATE_SLICE = "dynamic_update_slice"  # a window overwritten at run-time starts (KV caches)
+    CUMULATIVE = "cumulative"  # running sum/prod/max/min/logsumexp along one dim (attr "op")
+    SORT = "sort"  # one result of a (multi-operand) sort along one dim (attr "output")
+    TOP_K = "top_k"  # the k largest entries of the last dim: values (output 0) or indices (1)
+    ARG_REDUCE = "arg_reduce"  # argmax/argmin along one dim (attr "op")
+    RANDOM = "random"  # random bits and key handling (attr "op": random_bits, rng_bit_generator, ...)
     OPAQUE = "opaque"
 
 

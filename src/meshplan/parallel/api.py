@@ -19,7 +19,7 @@ from meshplan.parallel.spmd import SpmdFunction
 
 
 def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None = None,
-                devices: Sequence[Any] | None = None, batch_argnums: Sequence[int] = (1,),
+                devices: Sequence[Any] | None = None, batch_argnums: Sequence[int] | None = None,
                 donate_argnums: Sequence[int] | str = (), cluster: Cluster | str | None = None) -> Any:
     """Make `fn` plan and run itself sharded over `devices`.
 
@@ -30,10 +30,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
         method: ShardParallel() (default), DataParallel(), Zero2Parallel(), Zero3Parallel(),
             TensorParallel() or PipeshardParallel(...) (for a loss function cut into layers).
         devices: the devices to use; defaults to `jax.devices()`.
-        batch_argnums: positions of the arguments whose leading dim is the batch (used by
-            the data-parallel methods), as in Alpa; default (1,): `step(params, batch)`.
+        batch_argnums: positions of the arguments whose leading dim is the batch (split by the
+            data-parallel methods), as in Alpa. Default None: inferred from the program
+            (`meshplan.capture.batch`): inputs the step returns updated (weights, optimizer
+            state) are not the batch; among the others, the dims that run through the most
+            values are. A wrong value raises OptionsError naming the argument and the fix.
         donate_argnums: positions of the arguments whose buffers the results may reuse, as in
-            `jax.jit`; "auto": every argument except the batch_argnums. Each donated leaf is
+            `jax.jit`; "auto": every argument except the batch arguments. Each donated leaf is
             paired with the first unpaired result of its shape and dtype (params -> new
             params); the plan gives both one layout. A donated leaf with no such result is
             not donated (UnusedDonationWarning, except under "auto"). Default (): none.
@@ -45,7 +48,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
         A ParallelizedFunction, or a decorator making one when `fn` is None.
     """
     method = ShardParallel() if method is None else method
-    argnums = tuple(batch_argnums)
+    argnums = None if batch_argnums is None else tuple(batch_argnums)
     donated = _check_donate_argnums(donate_argnums)
     costs = DeviceCosts() if cluster is None else DeviceCosts.from_cluster(cluster)
 

@@ -52,9 +52,14 @@ class ShardParallel:
     Attributes:
         mesh_shape: logical mesh shape; its product must equal the device count.
             None: `default_mesh_shape(n)`.
+        memory_price: price of each byte a device holds, in units of the slowest link's
+            seconds per byte: 0 plans for time alone; 0.5 (Zero2Parallel's price) makes a
+            split pay off when it costs (almost) no communication, e.g. a KV cache split by
+            batch or heads (`meshplan.serve`'s default).
     """
 
     mesh_shape: tuple[int, ...] | None = None
+    memory_price: float = 0.0
 
     def mesh(self, num_devices: int) -> tuple[int, ...]:
         shape = default_mesh_shape(num_devices) if self.mesh_shape is None else tuple(self.mesh_shape)
@@ -66,7 +71,8 @@ class ShardParallel:
         return shape
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        return _plain_options(costs)
+        cost = CostModel(flops_per_second=costs.flops_per_second, memory_price=self.memory_price * costs.beta)
+        return IntraOptions(cost=cost)
 
     @property
     def splits_batch(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from meshplan.capture import Captured, capture, tag_batch_inputs
+from meshplan.capture import BatchInputs, Captured, capture, find_batch_inputs, tag_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, OptionsError
@@ -40,10 +40,11 @@ class _Compiled:
     captured: Captured  # graph aliases include the donated pairs
     plan: IntraPlan
     sharded: ShardedFunction  # bound to its compiled executable
-    example: tuple[Any, ...]  # ShapeDtypeStructs of the (reordered) arguments
-    in_shardings: tuple[Any, ...]  # NamedShardings of the (reordered) arguments, same pytree
-    donation: Donation  # flat indices of the (reordered) arguments
+    example: tuple[Any, ...]  # ShapeDtypeStructs of the arguments
+    in_shardings: tuple[Any, ...]  # NamedShardings of the arguments, same pytree
+    donation: Donation  # flat indices of the arguments
     diagnostics: CompileDiagnostics
+    batch: BatchInputs | None  # the batch leaves (None when the method needs none)
 
 
 class SpmdFunction(ParallelizedFunction[_Compiled]):
@@ -56,19 +57,18 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
     """
 
     def __init__(self, fn: Callable[..., Any], method: SpmdMethod, devices: Sequence[Any] | None,
-                 batch_argnums: tuple[int, ...], donate_argnums: tuple[int, ...] | str = (),
+                 batch_argnums: tuple[int, ...] | None, donate_argnums: tuple[int, ...] | str = (),
                  costs: DeviceCosts | None = None) -> None:
         super().__init__(fn, method, devices, costs)
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
 
     def __call__(self, *args: Any) -> Any:
         compiled = self._compiled(args)
-        ordered = self._order(args)
         if compiled.donation.pairs:
-            ordered = _copy_misplaced_donations(ordered, compiled)
+            args = _copy_misplaced_donations(args, compiled)
         # Arguments committed elsewhere (e.g. the previous step's outputs, laid out as the plan
         # chose for outputs) are moved to the planned input layout; the executable rejects them.
-        return compiled.sharded(*jax.device_put(ordered, compiled.in_shardings))
+        return compiled.sharded(*_place(args, compiled.in_shardings))
 
     def get_plan(self) -> IntraPlan:
         """The IntraPlan of the last call.
@@ -77,6 +77,17 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
             OptionsError: the function has not been called yet.
         """
         return super().get_plan()
+
+    def get_input_shardings(self) -> tuple[Any, ...]:
+        """Where the last call's executable takes its arguments: NamedShardings in the arguments'
+        pytree structure (place arguments there once to skip moving them on every call)."""
+        return self._require_last().in_shardings
+
+    def describe_batch(self) -> str:
+        """The batch leaves of the last call and the dim split, e.g. "args[2] i32[8, 16] (dim 0)";
+        "none" when the method splits no batch."""
+        last = self._require_last()
+        return "none" if last.batch is None else last.batch.describe(last.captured)
 
     def _plan_of(self, compiled: _Compiled) -> IntraPlan:
         return compiled.plan
@@ -96,14 +107,13 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
                 "diagnostics.json": _diagnostics(compiled)}
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled:
-        self._check_batch_argnums(args)
-        donated_args = self._donated_positions(args)
         devices = list(self.devices) if self.devices is not None else jax.devices()
         shape = self.method.mesh(len(devices))
-        ordered = self._order(args)
-        captured = capture(self._ordered_fn(len(args)), *ordered, name=self.__name__)
+        captured = capture(self.fn, *args, name=self.__name__)
+        batch = self._batch_inputs(captured)
         if self.method.splits_batch:
-            captured = tag_batch_inputs(captured, self._num_batch_leaves(args))
+            captured = tag_batch_inputs(captured, batch.dims)
+        donated_args = self._donated_positions(args, batch)
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
         mesh = self.costs.mesh(shape)
         donation, plan = self._solve(captured, pair_donated(captured, self._donated_leaves(args, donated_args)), mesh)
@@ -111,14 +121,14 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
             warn_not_donated(captured, donation, self.__name__, stacklevel=4)
         captured = alias_donated(captured, donation)
         jax_mesh = make_jax_mesh(mesh, devices if self.devices else None)
-        example = shapes_of(ordered)
+        example = shapes_of(args)
         sharded, diagnostics = execute_sharded(captured, plan, jax_mesh, donation.donated).compile(*example)
         warn_if_rematerialized(diagnostics, f"{self.__name__} on mesh {mesh.name}", stacklevel=4)
         specs = [NamedSharding(jax_mesh, partition_spec(placeable_spec(plan.strategy(n).output,
                                                                      captured.graph[n].shape, plan.mesh)))
                  for n in captured.input_nodes]
         return _Compiled(captured, plan, sharded, example, jax.tree_util.tree_unflatten(captured.in_tree, specs),
-                         donation, diagnostics)
+                         donation, diagnostics, batch)
 
     def _solve(self, captured: Captured, donation: Donation, mesh: LogicalMesh) -> tuple[Donation, IntraPlan]:
         """Plan with the donated pairs as aliases. When that is infeasible, drop the pairs that
@@ -140,10 +150,22 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         undonated = donation.without_pairs()
         return undonated, solve(undonated)
 
-    def _donated_positions(self, args: tuple[Any, ...]) -> tuple[int, ...]:
-        """Positions (in the caller's order) of the donated arguments."""
+    def _batch_inputs(self, captured: Captured) -> BatchInputs | None:
+        """The batch leaves, when the method splits them or "auto" donation must leave them out."""
+        if not self.method.splits_batch and self.donate_argnums != "auto":
+            return None
+        batch = find_batch_inputs(captured, self.batch_argnums, self.__name__)
+        if self.method.splits_batch and not batch.dims:
+            raise OptionsError(
+                f"{type(self.method).__name__} splits the batch, but no input of {self.__name__} looks like one: "
+                "every input with a dim comes back updated, like weights or optimizer state; pass "
+                "parallelize(..., batch_argnums=(i, ...)) with the positions of the batch arguments")
+        return batch
+
+    def _donated_positions(self, args: tuple[Any, ...], batch: BatchInputs | None) -> tuple[int, ...]:
+        """Positions of the donated arguments."""
         if self.donate_argnums == "auto":
-            return tuple(i for i in range(len(args)) if i not in self.batch_argnums)
+            return tuple(i for i in range(len(args)) if i not in batch.argnums)
         bad = [i for i in self.donate_argnums if not 0 <= i < len(args)]
         if bad:
             raise OptionsError(
@@ -152,55 +174,14 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         return tuple(self.donate_argnums)
 
     def _donated_leaves(self, args: tuple[Any, ...], positions: tuple[int, ...]) -> list[int]:
-        """Flat leaf indices, in the (reordered) captured arguments, of the arguments at `positions`."""
-        order = self._argument_order(len(args))
+        """Flat leaf indices of the arguments at `positions`."""
         leaves, start = [], 0
-        for position in order:
-            count = len(jax.tree_util.tree_leaves(args[position]))
+        for position, arg in enumerate(args):
+            count = len(jax.tree_util.tree_leaves(arg))
             if position in positions:
                 leaves.extend(range(start, start + count))
             start += count
         return leaves
-
-    def _order(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Batch arguments first when the method forces the batch split: the planner traces
-        the batch dim from the graph's first parameter."""
-        if not self.method.splits_batch:
-            return args
-        rest = [a for i, a in enumerate(args) if i not in self.batch_argnums]
-        return (*(args[i] for i in self.batch_argnums), *rest)
-
-    def _argument_order(self, nargs: int) -> list[int]:
-        """Caller positions in the order the captured function takes them (see `_order`)."""
-        if not self.method.splits_batch:
-            return list(range(nargs))
-        return [*self.batch_argnums, *(i for i in range(nargs) if i not in self.batch_argnums)]
-
-    def _ordered_fn(self, nargs: int) -> Callable[..., Any]:
-        if not self.method.splits_batch:
-            return self.fn
-        order = self._argument_order(nargs)
-
-        def reordered(*ordered: Any) -> Any:
-            args = [None] * nargs
-            for position, value in zip(order, ordered, strict=True):
-                args[position] = value
-            return self.fn(*args)
-
-        return reordered
-
-    def _num_batch_leaves(self, args: tuple[Any, ...]) -> int:
-        return len(jax.tree_util.tree_leaves([args[i] for i in self.batch_argnums]))
-
-    def _check_batch_argnums(self, args: tuple[Any, ...]) -> None:
-        if not self.method.splits_batch:
-            return
-        bad = [i for i in self.batch_argnums if not 0 <= i < len(args)]
-        if bad or not self.batch_argnums:
-            raise OptionsError(
-                f"{type(self.method).__name__} splits the batch arguments batch_argnums={self.batch_argnums}, "
-                f"but {self.__name__} was called with {len(args)} argument(s); pass "
-                f"parallelize(..., batch_argnums=(i, ...)) with the positions of the batch arguments")
 
 
 def _copy_misplaced_donations(ordered: tuple[Any, ...], compiled: _Compiled) -> tuple[Any, ...]:
@@ -215,6 +196,17 @@ def _copy_misplaced_donations(ordered: tuple[Any, ...], compiled: _Compiled) -> 
     for i in compiled.donation.donated:
         if not _is_placed(flat[i], targets[i]):
             flat[i] = jax.numpy.array(flat[i], copy=True)
+    return jax.tree_util.tree_unflatten(tree, flat)
+
+
+def _place(args: tuple[Any, ...], shardings: Any) -> Any:
+    """`args` laid out as `shardings`, moving only the leaves that are not yet: a decode step's
+    weights are already in place, and a device_put of every leaf cost 8x the step itself."""
+    flat, tree = jax.tree_util.tree_flatten(args)
+    targets = jax.tree_util.tree_leaves(shardings)
+    moving = [i for i, (x, s) in enumerate(zip(flat, targets, strict=True)) if not _is_placed(x, s)]
+    for i, moved in zip(moving, jax.device_put([flat[i] for i in moving], [targets[i] for i in moving]), strict=True):
+        flat[i] = moved
     return jax.tree_util.tree_unflatten(tree, flat)
 
 

@@ -24,7 +24,8 @@ class RuleConfig:
         space: FULL (every axis-to-dim assignment) or ALPA (Alpa's playground lists).
         allow_replicated_parameters: keep the replicated strategy of parameters.
         force_batch_dim_to_mesh_dim: if set, contractions keep only strategies that split the
-            batch dim (traced from the first parameter's dim 0) over this mesh axis.
+            batch dim (traced from the inputs tagged `batch_dim`, else from the first
+            parameter's dim 0) over this mesh axis.
         contractions_use_all_axes: contractions must split work over every mesh axis; None
             means only when compute is free (otherwise replication would look free). True
             prunes the strategy space (much faster ILPs) at the price of never replicating a

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import warnings
-from collections import deque
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
+from meshplan.ir.dimflow import trace_dims
 from meshplan.ir.graph import Graph
-from meshplan.ir.node import Node, OpKind
+from meshplan.ir.node import OpKind
 from meshplan.sharding.context import RuleConfig, RuleContext
-from meshplan.sharding.rules import dot, fallback, follow, leaves  # noqa: F401  (register rules)
-from meshplan.sharding.rules.dot import DotDims
+from meshplan.sharding.rules import dot, fallback, follow, leaves, ordering, random, windows  # noqa: F401  (register rules)
 from meshplan.sharding.rules.registry import rule_for
-from meshplan.sharding.spec import reshape_groups
 from meshplan.sharding.strategy import NodeStrategies
 
 
@@ -26,8 +24,8 @@ def enumerate_strategies(graph: Graph, mesh: LogicalMesh, model: CostModel,
     """The strategies of every node, in graph order; ops without a rule get replicated."""
     config = config or RuleConfig()
     batch_dims = {}
-    if config.force_batch_dim_to_mesh_dim is not None and graph.parameters():
-        batch_dims = trace_batch_dims(graph, graph.parameters()[0].id, 0)
+    if config.force_batch_dim_to_mesh_dim is not None:
+        batch_dims = trace_dims(graph, batch_sources(graph))
     ctx = RuleContext(graph, mesh, model, config, node_depths(graph), batch_dims, constant_nodes(graph))
     unknown: set[str] = set()
     for node in graph.nodes:
@@ -61,46 +59,11 @@ def node_depths(graph: Graph) -> tuple[int, ...]:
     return tuple(depth)
 
 
-def trace_batch_dims(graph: Graph, source: int, dim: int) -> dict[int, int]:
-    """Follow dim `dim` of node `source` forward: node id -> the dim that carries the batch."""
-    found = {source: dim}
-    queue = deque([source])
-    while queue:
-        producer = queue.popleft()
-        for user in graph.users(producer):
-            if user in found:
-                continue
-            mapped = _carry_batch_dim(graph, graph[user], producer, found[producer])
-            if mapped is not None:
-                found[user] = mapped
-                queue.append(user)
-    return found
-
-
-def _carry_batch_dim(graph: Graph, node: Node, producer: int, dim: int) -> int | None:
-    kind = node.kind
-    if kind is OpKind.ELEMENTWISE:
-        return dim
-    if kind is OpKind.TRANSPOSE:
-        return node.attr("perm").index(dim)
-    if kind is OpKind.BROADCAST:
-        return node.attr("dims")[dim]
-    if kind is OpKind.REDUCE:
-        dims = node.attr("dims")
-        return None if dim in dims else dim - sum(d < dim for d in dims)
-    if kind is OpKind.RESHAPE:
-        for in_dims, out_dims in reshape_groups(graph[producer].shape, node.shape):
-            if in_dims and in_dims[0] == dim and out_dims:
-                return out_dims[0]
-        return None
-    if kind is OpKind.DOT:
-        dims = DotDims(node, graph[node.operands[0]], graph[node.operands[1]])
-        nb, nl = len(dims.lb), len(dims.lf)
-        if node.operands[0] == producer:
-            if dim in dims.lb:
-                return dims.lb.index(dim)
-            return nb + dims.lf.index(dim) if dim in dims.lf else None
-        if dim in dims.rb:
-            return dims.rb.index(dim)
-        return nb + nl + dims.rf.index(dim) if dim in dims.rf else None
-    return None
+def batch_sources(graph: Graph) -> dict[int, int]:
+    """Parameter id -> its batch dim: the inputs capture tagged (`batch_dim`), else dim 0 of the
+    first parameter (the graphs of `meshplan.models` put the activations first)."""
+    tagged = {n.id: n.attr("batch_dim") for n in graph.parameters() if n.attr("batch_dim") is not None}
+    if tagged:
+        return tagged
+    first = graph.parameters()[:1]
+    return {first[0].id: 0} if first and first[0].rank else {}

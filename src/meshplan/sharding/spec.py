@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.ir.dimflow import reshape_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,32 +121,6 @@ def reshape_spec(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequenc
         if axes and out_shape[major_out] % mesh.axis_size(axes) == 0:
             out[major_out] = axes
     return ShardingSpec(tuple(out))
-
-
-def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a reshape into (input dims, output dims) groups whose sizes have equal products."""
-    n, m = len(in_shape), len(out_shape)
-    if 0 in in_shape or 0 in out_shape:
-        return [(tuple(range(n)), tuple(range(m)))]
-    groups: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    i = j = 0
-    while i < n and j < m:
-        gi, gj = [i], [j]
-        pi, pj = in_shape[i], out_shape[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj:
-                gi.append(i)
-                pi *= in_shape[i]
-                i += 1
-            else:
-                gj.append(j)
-                pj *= out_shape[j]
-                j += 1
-        groups.append((tuple(gi), tuple(gj)))
-    if i < n or j < m:  # trailing size-1 dims
-        groups.append((tuple(range(i, n)), tuple(range(j, m))))
-    return groups
 
 
 def _as_axes(value: Sequence[int] | int | None) -> tuple[int, ...]:

@@ -108,7 +108,8 @@ def reduce_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     return follow(node, ctx, 0, transform)
 
 
-def _unsplit(spec: ShardingSpec, dims: set[int]) -> ShardingSpec:
+def unsplit(spec: ShardingSpec, dims: set[int]) -> ShardingSpec:
+    """`spec` with `dims` whole."""
     return ShardingSpec(tuple(() if d in dims else a for d, a in enumerate(spec.dims)))
 
 
@@ -120,21 +121,10 @@ def slice_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     rest = tuple(ShardingSpec.replicated(ctx.graph[o].rank) for o in node.operands[1:])
 
     def transform(spec: ShardingSpec):
-        kept = _unsplit(spec, cut)
+        kept = unsplit(spec, cut)
         return kept, (kept, *rest), ()
 
     return follow(node, ctx, 0, transform)
-
-
-@register_rule(OpKind.CONCATENATE)
-def concatenate_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
-    dim, n = node.attr("dim"), len(node.operands)
-
-    def transform(spec: ShardingSpec):
-        kept = _unsplit(spec, {dim})
-        return kept, (kept,) * n, ()
-
-    return follow(node, ctx, deepest_operand(node, ctx), transform)
 
 
 @register_rule(OpKind.GATHER)

@@ -19,9 +19,10 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
         else full_specs(node, ctx)
     split = [s for s in specs if not s.is_replicated]
     forced = ctx.config.force_batch_dim_to_mesh_dim
-    if forced is not None and node.attr("batch_input"):
+    batch_dim = node.attr("batch_dim", 0 if node.attr("batch_input") else None)  # models' graphs: dim 0
+    if forced is not None and batch_dim is not None:
         # Inputs that arrive split over the batch (activations, their gradients, tokens).
-        on_axis = [s for s in split if s.dims and forced in s.dims[0]]
+        on_axis = [s for s in split if forced in s.dims[batch_dim]]
         if on_axis:
             return NodeStrategies(node.id, tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s))
                                                  for s in on_axis))

@@ -1,0 +1,220 @@
+"""Batch inputs of a captured step: which flat inputs carry the batch, and along which dim.
+
+A training step `step(params, opt_state, batch)` gives its arguments in any order, and its
+optimizer state is a pytree of moments and counters as large as the weights. The batch is found
+from the program, not from argument positions:
+
+1. *State* is an input that the step returns updated: some result of its shape and dtype is
+   computed from it by elementwise ops (`w - lr * g`, `b1 * m + (1 - b1) * g`) or by writing a
+   window into it (a KV cache), and from some other input too (`2 * x` only rescales x).
+   Weights, optimizer moments and step counters are state; a batch never is.
+2. The other inputs' dims are followed through the program (`meshplan.ir.dimflow`). Dims that
+   meet in some value (`x @ w - y` puts x's rows and y's rows on one dim) form a *family*. A
+   family that reaches an updated state value is a feature dim (y's columns run into w's
+   gradient and w's update); the batch dim is contracted away in every weight gradient. Of the
+   rest, the batch is the family that reaches the most values (it runs through every activation
+   and its gradient; a feature dim dies at the next contraction); ties go to the earliest
+   argument, then the lower dim.
+
+`batch_argnums` names the batch arguments instead: their leaves are split along dim 0, which
+they must share. Arguments that are state, or hold no array, are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.capture.jaxpr import Captured
+from meshplan.errors import OptionsError
+from meshplan.ir import Graph, OpKind
+from meshplan.ir.dimflow import trace_dims
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInputs:
+    """The batch inputs of a captured function.
+
+    Attributes:
+        dims: (flat input index, batch dim) of every batch leaf, in input order.
+        argnums: positions of the arguments holding them.
+        inferred: True when found from the program, False when given by `batch_argnums`.
+    """
+
+    dims: tuple[tuple[int, int], ...]
+    argnums: tuple[int, ...]
+    inferred: bool
+
+    def describe(self, captured: Captured) -> str:
+        """E.g. "args[2] i32[8, 16] (dim 0)"."""
+        return ", ".join(f"{_leaf(captured, i)} (dim {d})" for i, d in self.dims) or "none"
+
+
+def find_batch_inputs(captured: Captured, batch_argnums: Sequence[int] | None, fn_name: str) -> BatchInputs:
+    """The batch leaves of `captured`: given by `batch_argnums`, or inferred when it is None.
+
+    Raises:
+        OptionsError: `batch_argnums` names a position out of range, an argument the step updates
+            (weights, optimizer state), an argument with no array of rank >= 1, or arguments whose
+            leading dims differ. The message names the argument and the batch meshplan infers.
+    """
+    inferred = infer_batch_inputs(captured)
+    if batch_argnums is None:
+        return inferred
+    argnums = tuple(batch_argnums)
+    problem = _argnums_problem(captured, argnums, fn_name)
+    if problem:
+        hint = (f"the batch looks like {inferred.describe(captured)}: pass batch_argnums={inferred.argnums}, or "
+                if inferred.dims else "pass the positions of the arguments whose leading dim is the batch, or ")
+        raise OptionsError(f"parallelize({fn_name}, batch_argnums={argnums}): {problem}; {hint}leave "
+                           "batch_argnums out to let meshplan infer the batch from the program")
+    leaves = [i for k in argnums for i in _leaves_of(captured, k) if _rank(captured, i)]
+    return BatchInputs(tuple((i, 0) for i in leaves), argnums, inferred=False)
+
+
+def infer_batch_inputs(captured: Captured) -> BatchInputs:
+    """The batch family of the inputs that are not state (see the module doc); none when every
+    input with a dim is state."""
+    state = updated_inputs(captured)
+    updates = {captured.output_nodes[k] for k in state.values()}
+    candidates = [(i, d) for i in range(len(captured.input_nodes)) if i not in state
+                  for d in range(_rank(captured, i)) if _shape(captured, i)[d] > 1]
+    families = [f for f in _families(captured.graph, captured.input_nodes, candidates)
+                if not any(node in updates for node, _ in f[1])]
+    if not families:
+        return BatchInputs((), (), inferred=True)
+    best = max(families, key=lambda f: (len(f[1]), [-i for i, _ in f[0]], [-d for _, d in f[0]]))
+    dims: dict[int, int] = {}
+    for i, d in best[0]:
+        dims.setdefault(i, d)  # a leaf with two dims in the family (x @ x.T) keeps the lower one
+    argnums = tuple(sorted({_argnum(captured, i) for i in dims}))
+    return BatchInputs(tuple(sorted(dims.items())), argnums, inferred=True)
+
+
+def updated_inputs(captured: Captured) -> dict[int, int]:
+    """Flat input index -> index of a result that updates it (same shape and dtype, computed from
+    it by elementwise ops, and from some other input too: `2 * x` rescales x, `w - lr * g(x)`
+    updates w). A result that is the input itself does not count."""
+    graph, found = captured.graph, {}
+    position = {node: i for i, node in enumerate(captured.input_nodes)}
+    reads = _inputs_read(graph, position)
+    for k, out in enumerate(captured.output_nodes):
+        node = graph[out]
+        for n in _elementwise_cone(graph, out) - {out}:
+            if n in position and graph[n].shape == node.shape and graph[n].dtype == node.dtype \
+                    and reads[out] & ~(1 << position[n]):
+                found.setdefault(position[n], k)
+    return found
+
+
+def _inputs_read(graph: Graph, position: dict[int, int]) -> list[int]:
+    """Per node, a bit mask of the flat inputs its value depends on."""
+    masks: list[int] = []
+    for node in graph.nodes:
+        mask = 1 << position[node.id] if node.id in position else 0
+        for o in node.operands:
+            mask |= masks[o]
+        masks.append(mask)
+    return masks
+
+
+def _elementwise_cone(graph: Graph, out: int) -> set[int]:
+    """`out` and every node it is computed from through elementwise ops of its shape (and through
+    the operand of window writes: a KV cache updated in place is state too)."""
+    shape, seen, stack = graph[out].shape, {out}, [out]
+    while stack:
+        node = graph[stack.pop()]
+        if node.kind is OpKind.DYNAMIC_UPDATE_SLICE:
+            operands = node.operands[:1]
+        elif node.kind is OpKind.ELEMENTWISE:
+            operands = node.operands
+        else:
+            continue
+        for o in operands:
+            if o not in seen and graph[o].shape == shape:
+                seen.add(o)
+                stack.append(o)
+    return seen
+
+
+def _families(graph: Graph, input_nodes: Sequence[int],
+              candidates: list[tuple[int, int]]) -> list[tuple[list[tuple[int, int]], set[tuple[int, int]]]]:
+    """Group (input, dim) candidates whose traces share a (node, dim); each family with the
+    (node, dim) pairs its members reach."""
+    parent = list(range(len(candidates)))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    reached: list[set[tuple[int, int]]] = []
+    owner: dict[tuple[int, int], int] = {}
+    for k, (i, d) in enumerate(candidates):
+        reached.append(set(trace_dims(graph, {input_nodes[i]: d}).items()))
+        for pair in reached[-1]:
+            if pair in owner:
+                parent[root(k)] = root(owner[pair])
+            else:
+                owner[pair] = k
+    groups: dict[int, tuple[list[tuple[int, int]], set[tuple[int, int]]]] = {}
+    for k, candidate in enumerate(candidates):
+        members, pairs = groups.setdefault(root(k), ([], set()))
+        members.append(candidate)
+        pairs.update(reached[k])
+    return list(groups.values())
+
+
+def _argnums_problem(captured: Captured, argnums: tuple[int, ...], fn_name: str) -> str | None:
+    """What is wrong with `argnums` as batch positions, or None."""
+    nargs = len(captured.in_tree.children())
+    bad = [k for k in argnums if not 0 <= k < nargs]
+    if bad or not argnums:
+        return (f"position(s) {bad or list(argnums)} name no argument; {fn_name} was called with {nargs} "
+                f"argument(s), at positions 0..{nargs - 1}")
+    state = updated_inputs(captured)
+    for k in argnums:
+        leaves = _leaves_of(captured, k)
+        updated = [i for i in leaves if i in state]
+        if updated:
+            i = updated[0]
+            return (f"argument {k} of {fn_name} is updated by the step ({_leaf(captured, i)} comes back as "
+                    f"result {state[i]}): it is weights or optimizer state, not a batch")
+        if not any(_rank(captured, i) for i in leaves):
+            return f"argument {k} of {fn_name} holds no array with a dim to split (only scalars)"
+    leaves = [i for k in argnums for i in _leaves_of(captured, k) if _rank(captured, i)]
+    sizes = {_shape(captured, i)[0] for i in leaves}
+    if len(sizes) > 1:
+        first = next(i for i in leaves if _shape(captured, i)[0] != _shape(captured, leaves[0])[0])
+        return (f"the batch arguments' leading dims differ ({_leaf(captured, leaves[0])} vs "
+                f"{_leaf(captured, first)}); batch leaves are split along dim 0, which they must share")
+    return None
+
+
+def _leaves_of(captured: Captured, argnum: int) -> range:
+    counts = [child.num_leaves for child in captured.in_tree.children()]
+    start = sum(counts[:argnum])
+    return range(start, start + counts[argnum])
+
+
+def _argnum(captured: Captured, leaf: int) -> int:
+    counts, total = [child.num_leaves for child in captured.in_tree.children()], 0
+    for k, count in enumerate(counts):
+        total += count
+        if leaf < total:
+            return k
+    raise IndexError(leaf)
+
+
+def _shape(captured: Captured, leaf: int) -> tuple[int, ...]:
+    return captured.graph[captured.input_nodes[leaf]].shape
+
+
+def _rank(captured: Captured, leaf: int) -> int:
+    return len(_shape(captured, leaf))
+
+
+def _leaf(captured: Captured, leaf: int) -> str:
+    node = captured.graph[captured.input_nodes[leaf]]
+    return f"{node.name} {node.dtype.name.lower()}{list(node.shape)}"
