@@ -1,12 +1,13 @@
 """Layer clustering: a sequence of operators -> layers balanced by FLOPs, cut where little crosses.
 
-Alpa's automatic layer construction: cut the forward into `num_layers` contiguous layers, each
-with at most `(1 + tolerance)` times the mean FLOPs (or the heaviest operator's, if larger),
-crossing as few activation bytes as possible between layers. Every layer holds an *anchor*: an
-operator of a tenth of a layer's mean FLOPs or more (a matmul), or, when there are fewer such
-operators than layers, one of the `num_layers` heaviest; so no layer is left with a few scalar
-ops at the end of the loss. A dynamic program over cut positions solves it exactly; when no cut
-meets the bound, the bound grows by 25 % until one does.
+Alpa's automatic layer construction: cut the forward into `num_layers` contiguous layers that
+are balanced by FLOPs and cross as few activation bytes as possible between layers. Two
+dynamic programs over cut positions, both exact: the first finds the least possible FLOPs of
+the heaviest layer (the pipeline's bottleneck); the second, among the cuts whose every layer
+stays within `(1 + tolerance)` times that, the one crossing the fewest bytes. Every layer holds
+an *anchor*: an operator of a tenth of a layer's mean FLOPs or more (a matmul), or, when there
+are fewer such operators than layers, one of the `num_layers` heaviest; so no layer is left with
+a few scalar ops at the end of the loss.
 Pure Python and NumPy: the runtime supplies each operator's FLOPs and each cut's bytes.
 """
 
@@ -27,8 +28,8 @@ def cluster_layers(flops: Sequence[float], cut_bytes: Sequence[float], num_layer
         flops: per operator, its FLOPs (>= 0); every layer gets some.
         cut_bytes: per operator i, the bytes crossing a cut just before it (`cut_bytes[0]` unused).
         num_layers: how many layers to make.
-        tolerance: each layer's FLOPs stay within `(1 + tolerance)` times the mean (or the
-            heaviest operator's FLOPs) when possible.
+        tolerance: each layer's FLOPs stay within `(1 + tolerance)` times the least possible
+            FLOPs of the heaviest layer.
 
     Raises:
         OptionsError: fewer operators with FLOPs than layers.
@@ -45,18 +46,36 @@ def cluster_layers(flops: Sequence[float], cut_bytes: Sequence[float], num_layer
     total = float(work.sum())
     nth_heaviest = float(np.sort(work)[-num_layers])
     anchors = work >= min(total / (10 * num_layers), nth_heaviest)
-    cap = (1 + tolerance) * max(total / num_layers, float(work.max()))  # no layer is lighter than its heaviest op
-    while True:
-        starts = _min_cut(work, cuts, anchors, num_layers, cap)
-        if starts is not None:
-            return starts
-        cap *= 1.25
+    if anchors.sum() < num_layers:  # ties at the n-th heaviest FLOPs of zero
+        anchors = work > 0
+    bottleneck = _least_bottleneck(work, anchors, num_layers)
+    starts = _min_cut(work, cuts, anchors, num_layers, (1 + tolerance) * bottleneck)
+    assert starts is not None  # the bottleneck's own cuts meet the bound
+    return starts
 
 
 def layer_flops(flops: Sequence[float], starts: Sequence[int]) -> tuple[float, ...]:
     """The FLOPs of each layer that `starts` (from `cluster_layers`) cuts."""
     ends = [*starts[1:], len(flops)]
     return tuple(float(sum(flops[a:b])) for a, b in zip(starts, ends, strict=True))
+
+
+def _least_bottleneck(work: np.ndarray, anchors: np.ndarray, num_layers: int) -> float:
+    """The least possible FLOPs of the heaviest layer, every layer holding an anchor."""
+    n = len(work)
+    prefix = np.concatenate(([0.0], np.cumsum(work)))
+    held = np.concatenate(([0], np.cumsum(anchors)))
+    best = np.where(held[1:] > 0, prefix[1:], np.inf)  # best[j - 1]: ops 0..j-1 in k + 1 layers
+    best = np.concatenate(([np.inf], best))
+    for _ in range(1, num_layers):
+        nxt = np.full(n + 1, np.inf)
+        for j in range(2, n + 1):
+            starts = np.arange(1, j)
+            cost = np.maximum(best[starts], prefix[j] - prefix[starts])
+            cost = np.where(held[j] > held[starts], cost, np.inf)
+            nxt[j] = cost.min()
+        best = nxt
+    return float(best[n])
 
 
 def _min_cut(work: np.ndarray, cuts: np.ndarray, anchors: np.ndarray, num_layers: int,
