@@ -222,7 +222,7 @@ def parameters_table(plan: Plan) -> object:
         t.add_row(f"[bold]{found.layers}[/bold]", f"[bold]{found.piece}[/bold]", "", "", "",
                   f"[bold]{summary}[/bold]")
         for p, state in parameter_rows(found.plan):
-            t.add_row("", _local(p.name), shape_text(p.shape), str(p.layout), state or "-", p.classification)
+            t.add_row("", local_name(p.name), shape_text(p.shape), str(p.layout), state or "-", p.classification)
     return t
 
 
@@ -233,7 +233,7 @@ def operators_table(plan: Plan, ops: OpFilter) -> object:
             for chosen in intra.nodes:
                 if ops.keeps(chosen, first, last):
                     layer = f"{first}-{last}" if chosen.layer is not None and last > first else str(first)
-                    t.add_row(str(k), layer if chosen.layer is not None else "-", _local(chosen.name), chosen.op,
+                    t.add_row(str(k), layer if chosen.layer is not None else "-", local_name(chosen.name), chosen.op,
                               chosen.strategy, ", ".join(str(c) for c in chosen.collectives) or "-")
     return t
 
@@ -255,7 +255,7 @@ def baselines_table(plan: Plan) -> object:
     return t
 
 
-def _local(name: str) -> str:
+def local_name(name: str) -> str:
     """Name without its layer part ("layer3.attn.wq" -> "attn.wq", "grad.layer3.wq" -> "grad.wq"): a
     piece plan stands for every layer of its range."""
     return re.sub(r"(^|\.)layer\d+\.", r"\1", name)
