@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,8 +74,7 @@ def solve_with_highs(lp: LinearProgram, time_limit: float, mip_gap: float) -> So
     except ImportError as exc:  # pragma: no cover - highspy is a dependency
         raise SolverError("the HiGHS backend needs highspy: pip install highspy") from exc
     start = time.perf_counter()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_highs()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", 1)
@@ -160,3 +161,21 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
     if prob.sol_status == pulp.LpSolutionOptimal:
         return SolveResult(SolveStatus.OPTIMAL, objective, objective, 0.0, wall, "cbc", values)
     return SolveResult(SolveStatus.FEASIBLE, objective, None, None, wall, "cbc", values)
+
+
+def new_highs():
+    """A silent highspy.Highs. HiGHS prints its banner on stdout when a process creates its first
+    instance, before any option can silence it; it goes to stderr here, so that commands printing
+    JSON on stdout (`meshplan simulate --json`) print only JSON."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
