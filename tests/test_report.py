@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import zlib
+from html.parser import HTMLParser
 from pathlib import Path
 
 import jax
@@ -175,10 +176,10 @@ def test_report_ops_filter(small_plan):
     plan = load_plan(small_plan)
     everything = render(plan, OpFilter())
     only = render(plan, OpFilter(name="mlp.up"))
-    rows = [line for line in only.split("operator strategies")[1].splitlines() if "mlp.up" in line]
-    assert len(rows) == sum(1 for s in plan.stages for p in s.pieces if p.name == "block") and "attn.q " not in \
-        only.split("operator strategies")[1]
-    assert "attn.q" in everything.split("operator strategies")[1]
+    section = only.split("operator strategies")[1].split("baselines")[0]
+    rows = [line for line in section.splitlines() if "mlp.up" in line]
+    assert len(rows) >= sum(1 for s in plan.stages for p in s.pieces if p.name == "block")
+    assert "attn.q" not in section and "attn.q" in everything.split("operator strategies")[1]
     result = meshplan("report", str(small_plan), "--ops", "--layer", "1")
     assert result.returncode == 0 and "operator strategies" in result.stdout
 
@@ -214,7 +215,7 @@ def test_data_parallel_mlp_is_data_parallel(shape):
     axis = 0 if shape == (4, 1) else 1
     layouts = {p.name: p for p in parameter_layouts(plan)}
     assert layouts["w1"].classification == layouts["w2"].classification == f"data parallel on axis {axis}"
-    assert layouts["x"].classification == f"batch input, split over axis {axis}"
+    assert layouts["x"].classification.startswith(f"batch input, split over axis {axis}")
     parallelism = stage_parallelism(plan)
     assert parallelism.data_axes == (axis,) and parallelism.tensor_axes == () and parallelism.zero == 0
     text = render(single_stage_plan(plan, "intra", "mlp2"))
@@ -277,7 +278,7 @@ def test_partition_specs_apply_with_jit_and_give_the_plans_shardings(runtime_dum
         (new_state, loss), (want_state, want_loss) = compiled(state, data), jax.jit(step)(state, data)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(want_state), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # Adam divides by sqrt(v): sensitive
 
 
 def test_partition_specs_of_the_default_plan_follow_the_layers(default_plan, tmp_path):
@@ -392,6 +393,18 @@ def rendered_colours(path: Path) -> int:
     return len(colours)
 
 
+def external_sources(page: str) -> list[str]:
+    """src/href attributes of the page's own tags that point outside it (script text is not parsed)."""
+    found: list[str] = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.extend(v for k, v in attrs if k in ("src", "href") and v and not v.startswith("#"))
+
+    Tags().feed(page)
+    return found
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -404,8 +417,9 @@ def test_html_report_renders_in_headless_chromium(default_run, tmp_path):
     simulate_page = (folder / "simulate.html").read_text()
     text = page.read_text()
     assert simulate_page == text  # `simulate --html` writes the same page
-    assert "<script src=" not in text and "cdn.plot.ly" not in text  # self-contained: opens offline
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,3000"]
+    assert external_sources(text) == []  # self-contained; chromium below also runs with no network
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,3000",
+             "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>"]
     dom = subprocess.run([CHROMIUM, *flags, "--virtual-time-budget=10000", "--dump-dom", page.as_uri()],
                          capture_output=True, text=True, timeout=300).stdout
     for chart in ("schedule-chart", "memory-chart", "time-chart", "strategy-chart"):

@@ -11,7 +11,8 @@ How a parameter is read:
   A mesh axis splitting the weight there is a *row* split when that dot sums partial results
   over the axis (its all-reduce or reduce-scatter spans it), else a *column* split;
 * the *data-parallel axes* are the axes splitting the batch inputs (nodes tagged as batch inputs;
-  for graphs without tags, the parameters that are neither updated in place nor differentiated);
+  for graphs without tags, the parameters that are neither updated in place nor differentiated,
+  or in a forward graph of layers, the parameters outside every layer);
 * a weight stored split over a data-parallel axis and gathered for use is ZeRO-3; optimizer state
   (Adam moments, fp32 master copies) split over one is ZeRO-1, and ZeRO-2 when the weight's
   gradient is reduce-scattered over it.
@@ -90,17 +91,26 @@ class _Reader:
         self.params = [c for c in plan.nodes if c.op == "parameter"]
         self.active_axes = tuple(a for a, size in enumerate(plan.mesh.shape) if size > 1)
         self.inputs = {c.node for c in self.params if self._is_input(c)}
-        self.data_axes = tuple(sorted({a for c in self.params if c.node in self.inputs for a in c.output.axes()}))
+        self.data_axes = tuple(sorted({a for c in self.params if c.node in self.inputs for a in self.input_axes(c)}))
 
     def _is_input(self, chosen: ChosenStrategy) -> bool:
         if "batch_input" in chosen.tags:
             return True
         tagged = any("batch_input" in c.tags for c in self.params)
         updated = any("aliased" in c.tags for c in self.params)
-        if tagged or not updated:
+        if tagged:
             return False
+        if not updated:  # a forward graph of layers: the inputs are the parameters outside every layer
+            return chosen.layer is None and any(c.layer is not None for c in self.params)
         return "aliased" not in chosen.tags and f"grad.{chosen.name}" not in self.by_name \
             and optimizer_owner(chosen.name) is None
+
+    def input_axes(self, chosen: ChosenStrategy) -> tuple[int, ...]:
+        """Axes an input is split over: as stored, or (stored whole) as its first contraction slices it."""
+        if chosen.output.axes():
+            return chosen.output.axes()
+        found = self.first_dot(chosen.node)
+        return found[0].operands[found[1]].axes() if found else ()
 
     def first_dot(self, node: int) -> tuple[ChosenStrategy, int] | None:
         """The first dot `node` reaches through single-operand ops, with the operand position."""
@@ -149,7 +159,9 @@ def stage_parallelism(plan: IntraPlan) -> StageParallelism:
 def _classify(reader: _Reader, chosen: ChosenStrategy) -> ParameterLayout:
     layout, data = chosen.output, set(reader.data_axes)
     if chosen.node in reader.inputs:
-        words = f"batch input, split over {_axes_words(layout.axes())}" if layout.axes() else "input, replicated"
+        axes = reader.input_axes(chosen)
+        words = "input, replicated" if not axes else f"batch input, split over {_axes_words(axes)}" + (
+            "" if layout.axes() else " where used (stored whole)")
         return ParameterLayout(chosen.name, chosen.shape, "input", layout, None, words)
     owner = optimizer_owner(chosen.name)
     if owner is not None:

@@ -99,7 +99,10 @@ def print_report(plan: Plan, console: Console | None = None, ops: OpFilter | Non
         console.print(line, highlight=False)
     if time_rows(plan):
         console.print(time_table(plan))
-    console.print(communication_table(plan))
+    if collective_rows(plan):
+        console.print(communication_table(plan))
+    else:
+        console.print("communication: none (the plan implies no collectives)")
     console.print(parameters_table(plan))
     if ops is not None:
         console.print(operators_table(plan, ops))
@@ -222,7 +225,8 @@ def parameters_table(plan: Plan) -> object:
         t.add_row(f"[bold]{found.layers}[/bold]", f"[bold]{found.piece}[/bold]", "", "", "",
                   f"[bold]{summary}[/bold]")
         for p, state in parameter_rows(found.plan):
-            t.add_row("", local_name(p.name), shape_text(p.shape), str(p.layout), state or "-", p.classification)
+            name = p.name if found.piece == "stage" else local_name(p.name)  # a piece plan stands for its layers
+            t.add_row("", name, shape_text(p.shape), str(p.layout), state or "-", p.classification)
     return t
 
 
