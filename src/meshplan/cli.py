@@ -145,6 +145,7 @@ def simulate(
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
+    html: Annotated[str, typer.Option(help="Also write the HTML report (charts, tables) to this file.")] = "",
 ) -> None:
     """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
     from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
@@ -168,10 +169,89 @@ def simulate(
     data = sim.to_dict()
     if out:
         write_json_atomic(out, data)
+    if html:
+        from meshplan.report.html import html_report
+
+        write_text_atomic(html, html_report(sim.plan))
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         print_simulation(sim.plan, Console())
+
+
+@app.command()
+@user_errors
+def report(
+    plan: Annotated[str, typer.Argument(help="A plan file (simulate/intra --out) or a dump_debug_info folder.")],
+    ops: Annotated[bool, typer.Option(help="Also list the operators' strategies.")] = False,
+    layer: Annotated[int, typer.Option(help="With --ops: only this layer's operators (-1: all).")] = -1,
+    name: Annotated[str, typer.Option(help="With --ops: only operators whose name contains this.")] = "",
+    html: Annotated[str, typer.Option(help="Write the HTML report (charts, tables) to this file.")] = "",
+    partition_specs: Annotated[str, typer.Option(help="Write the parameter layouts as JAX PartitionSpecs "
+                                                      "(a Python file) and print them.")] = "",
+    chrome_trace: Annotated[str, typer.Option(help="Write the simulated schedule as Chrome trace JSON.")] = "",
+    width: Annotated[int, typer.Option(help="Columns of the terminal report (0: the terminal's).")] = 0,
+) -> None:
+    """Show what a plan decided: stages, layouts, communication, time; or export it (HTML,
+    PartitionSpecs, Chrome trace)."""
+    from meshplan.report.load import load_plan
+    from meshplan.report.text import OpFilter, print_report
+
+    loaded = load_plan(plan)
+    console = Console(width=width or None)
+    written = []
+    if partition_specs:
+        from meshplan.report.partition_specs import python_source
+
+        source = python_source(loaded)
+        write_text_atomic(partition_specs, source)
+        console.print(source, markup=False, highlight=False, soft_wrap=True)
+        written.append(partition_specs)
+    if chrome_trace:
+        from meshplan.report.timeline import chrome_trace_text
+
+        write_text_atomic(chrome_trace, chrome_trace_text(loaded))
+        written.append(chrome_trace)
+    if html:
+        from meshplan.report.html import html_report
+
+        write_text_atomic(html, html_report(loaded))
+        written.append(html)
+    if not written:
+        print_report(loaded, console, OpFilter(None if layer < 0 else layer, name) if ops or name or layer >= 0
+                     else None)
+    else:
+        err.print("wrote " + ", ".join(written), highlight=False)
+
+
+@app.command()
+@user_errors
+def diff(
+    first: Annotated[str, typer.Argument(help="Plan A (file or dump_debug_info folder).")],
+    second: Annotated[str, typer.Argument(help="Plan B.")],
+    limit: Annotated[int, typer.Option(help="Show at most this many differences (0: all).")] = 40,
+) -> None:
+    """What changed from plan A to plan B (stages, meshes, layouts, predicted time and memory),
+    largest differences first."""
+    from meshplan.report.diff import check_comparable, diff_plans
+    from meshplan.report.load import load_plan
+    from meshplan.report.tables import table
+
+    a, b = load_plan(first), load_plan(second)
+    check_comparable(a, b, first, second)
+    changes = diff_plans(a, b)
+    console = Console()
+    if not changes:
+        console.print(f"{first} and {second} plan {a.model} identically", highlight=False)
+        return
+    shown = changes if limit <= 0 else changes[:limit]
+    t = table(f"{len(changes)} difference(s) from A = {first} to B = {second}, largest first",
+              ["what", "A", "B", "size"], numeric=("size",))
+    for d in shown:
+        t.add_row(d.what, d.before, d.after, "new" if d.size == float("inf") else f"{d.size:.3g}")
+    console.print(t)
+    if len(shown) < len(changes):
+        console.print(f"... {len(changes) - len(shown)} more (--limit 0 shows all)", highlight=False)
 
 
 @app.command("profile-cluster")

@@ -192,3 +192,4 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
     if prob.sol_status == pulp.LpSolutionOptimal:
         return SolveResult(SolveStatus.OPTIMAL, objective, objective, 0.0, wall, "cbc", values)
     return SolveResult(SolveStatus.FEASIBLE, objective, None, None, wall, "cbc", values)
+

@@ -37,6 +37,7 @@ from meshplan.simulator.job import PlannerOptions, TrainingJob
 # costs as much as moving it once over that axis): 0 gives the fastest plan, larger prices
 # plans that shard optimizer state and weights further.
 MEMORY_PRICES = (0.0, 1.0, 16.0)
+LEAN_PRICES = MEMORY_PRICES[:2]  # the menu the simulator's views are priced with
 # Seconds per byte charged on every value: breaks ties between equally fast plans towards the
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
 ACTIVATION_PRICE = 1e-14
@@ -73,17 +74,24 @@ def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, 
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
                  reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
-    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
-                               reduce_scatter=reduce_scatter)
-    menu = [fastest]
+    return tuple(cost for cost, _ in menu_plans(piece, mesh, flops_per_second, num_microbatches, prices,
+                                                force_batch_axis, reduce_scatter))
+
+
+def menu_plans(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
+               prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
+               reduce_scatter: bool = False) -> tuple[tuple[LayerCost, IntraPlan], ...]:
+    """`profile_menu`'s entries with the intra-op plan each was read from."""
+    menu = [profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
+                          reduce_scatter=reduce_scatter)]
     unit = max(mesh.beta)
     for factor in prices:
         if factor <= 0:
             continue
-        cost, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
-                                force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
-        if cost.static_bytes < menu[-1].static_bytes * 0.999:
-            menu.append(cost)
+        entry = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
+                              force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
+        if entry[0].static_bytes < menu[-1][0].static_bytes * 0.999:
+            menu.append(entry)
     return tuple(menu)
 
 
@@ -137,12 +145,11 @@ def price_view(task: PricingTask) -> ViewCosts:
     mesh = cluster.logical_views(key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
     axis = batch_axis(mesh)
-    blocks, embed, head = _pieces(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
     def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
         if task.lean:
-            return profile_menu(graph, mesh, flops, task.num_microbatches, MEMORY_PRICES[:2], axis,
-                                options.reduce_scatter)
+            return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter)
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
                               reduce_scatter=options.reduce_scatter)[0],)
 
@@ -171,7 +178,7 @@ def batch_axis(mesh: LogicalMesh) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
+def piece_graphs(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
     kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
     blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
     return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
@@ -180,7 +187,7 @@ def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer:
 
 def build_pieces(job: TrainingJob, microbatch_size: int) -> None:
     """Build (and cache) the job's piece graphs in this process."""
-    _pieces(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    piece_graphs(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
 
 def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:

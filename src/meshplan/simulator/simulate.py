@@ -1,8 +1,8 @@
 """Simulate training a model on a cluster: the auto plan, its prediction, and the baselines.
 
-Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with the
-baselines' predictions and the planner's seconds per phase inside it, so one file tells the
-whole story), and each baseline's own `Plan`.
+Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with each
+stage's piece plans, the baselines' predictions and the planner's seconds per phase inside it,
+so one file tells the whole story), and each baseline's own `Plan`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.planner import PipelinePlan, PlannerStats, Progress, plan_training, planned_microbatch_sizes
+from meshplan.simulator.planner import (
+    PipelinePlan,
+    PlannerStats,
+    Progress,
+    capacity,
+    plan_training,
+    planned_microbatch_sizes,
+)
+from meshplan.simulator.stage_plans import with_stage_plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +103,15 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
         auto = replace(to_plan(replace(grid.plan, label="auto"), job, cluster),
                        notes=(f"taken from the Megatron grid ({grid.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
+    start = time.perf_counter()
+    auto = with_stage_plans(auto, job, cluster, options)
+    stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
     failed = tuple(f"pricing {r.key.kind} micro-batch {r.key.microbatch_size} on sub-mesh "
                    f"{'x'.join(map(str, r.key.submesh))} view {r.key.view_index} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
-    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed), results)
+    budget = (("memory_budget_bytes", repr(capacity(cluster, options))),)
+    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed,
+                              options=auto.options + budget), results)
