@@ -33,8 +33,9 @@ class TrainingJob:
 
     @property
     def model_flops(self) -> float:
-        """Training FLOPs per iteration by the usual 6 N T rule (N parameters, T tokens)."""
-        return 6.0 * self.model.num_params() * self.tokens
+        """Training FLOPs per iteration by the usual 6 N T rule (T tokens; N the parameters a token
+        runs through: for MoE the top-k routed and the shared experts, not every expert)."""
+        return 6.0 * self.model.active_params() * self.tokens
 
 
 @dataclass(frozen=True, slots=True)
