@@ -143,6 +143,10 @@ def simulate(
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
+    layout: Annotated[str, typer.Option(
+        help="Price this layout instead of planning, e.g. tp=8,pp=8,dp=16,vp=3,mb=1,sp=on,recompute=selective "
+             "(keys: tp pp dp cp ep vp mb sp recompute zero overlap tpo flash fp8 fp32grads).")] = "",
+    efficiency_file: Annotated[str, typer.Option(help="Kernel efficiencies (JSON) for --layout pricing.")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
 ) -> None:
@@ -163,6 +167,9 @@ def simulate(
     options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes),
                              reduce_scatter=reduce_scatter)
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
+    if layout:
+        _price_layout(job, machines, layout, efficiency_file, json_out, out)
+        return
     with _progress(enabled=not json_out) as progress:
         sim = run_simulation(job, machines, options, progress, baselines)
     data = sim.to_dict()
@@ -172,6 +179,39 @@ def simulate(
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         print_simulation(sim.plan, Console())
+
+
+def _price_layout(job, machines, text: str, efficiency_file: str, json_out: bool, out: str) -> None:
+    """`simulate --layout`: the given layout priced in closed form, next to the fastest
+    layout the search finds for the same job."""
+    from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
+    from meshplan.report.simulation_text import print_layout
+    from meshplan.simulator.analytic import check_layout, price_layout, search_layouts
+    from meshplan.simulator.layout import parse_layout
+    from meshplan.simulator.simulate import layout_plan
+
+    chosen = parse_layout(text)
+    why = check_layout(job, machines, chosen)
+    if why:
+        raise MeshplanError(f"{why}; change --layout")
+    efficiency = KernelEfficiency.from_file(efficiency_file) if efficiency_file else DEFAULT_EFFICIENCY
+    priced = price_layout(job, machines, chosen, efficiency)
+    search = search_layouts(job, machines, efficiency, fp8=chosen.fp8)
+    plan = layout_plan(priced, job, machines)
+    if search.best is not None:
+        from dataclasses import replace
+
+        from meshplan.plan import BaselineSummary
+
+        auto = layout_plan(search.best, job, machines, "layout-search")
+        plan = replace(plan, baselines=(BaselineSummary("layout-search", search.best.layout.text(), auto.prediction),))
+    data = plan.to_dict()
+    if out:
+        write_json_atomic(out, data)
+    if json_out:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        print_layout(plan, Console())
 
 
 @app.command("profile-cluster")

@@ -26,15 +26,23 @@ def stage_table(plan: Plan) -> Table:
 
 def prediction_lines(plan: Plan) -> list[str]:
     p = plan.prediction
-    return [f"iteration time  {p.iteration_time_s:.3f} s  (pipeline {p.pipeline_time_s:.3f} s + gradient sync "
-            f"and optimizer {p.sync_time_s:.3f} s)",
-            f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
-            f"MFU {p.mfu:.1%}",
-            f"peak memory     {_gb(p.peak_memory_bytes)} per device"]
+    metrics = dict(plan.metrics)
+    spread = ""
+    if "time_range.low_s" in metrics:
+        spread = f" ({metrics['time_range.low_s']:.2f}-{metrics['time_range.high_s']:.2f} s)"
+    lines = [f"iteration time  {p.iteration_time_s:.3f} s{spread}  (pipeline {p.pipeline_time_s:.3f} s + gradient sync "
+             f"and optimizer {p.sync_time_s:.3f} s)",
+             f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+             f"MFU {p.mfu:.1%}",
+             f"peak memory     {_gb(p.peak_memory_bytes)} per device"]
+    parts = plan.metrics_under("memory.")
+    if parts:
+        lines.append("                " + ", ".join(f"{name} {_gb(v)}" for name, v in parts.items()))
+    return lines
 
 
 def baseline_table(plan: Plan) -> Table:
-    table = Table(title="baselines under the same cost model")
+    table = Table(title="baselines (the ILP cost model; layout-search: the closed-form model)")
     for column in ("plan", "configuration", "iteration time", "tokens/s", "MFU", "vs auto"):
         table.add_column(column)
     auto = plan.prediction
@@ -63,5 +71,41 @@ def print_simulation(plan: Plan, console: Console | None = None) -> None:
     phases = plan.metrics_under("planner_s.")
     text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
     console.print(f"planner time: {text} (total {sum(phases.values()):.1f} s)")
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False)
+
+
+def print_layout(plan: Plan, console: Console | None = None) -> None:
+    """A priced layout: its time with the range, the time and memory breakdowns, and how it
+    compares with the fastest layout found."""
+    console = console or Console()
+    p = plan.prediction
+    metrics = dict(plan.metrics)
+    console.print(f"[bold]{plan.model}[/bold] ({plan.num_params / 1e9:.2f}B parameters) on "
+                  f"{plan.cluster[0]}x{plan.cluster[1]} {plan.device}: global batch {plan.global_batch} x "
+                  f"{plan.seq_len} tokens, layout {plan.option('layout')}", highlight=False)
+    low, high = metrics["time_range.low_s"], metrics["time_range.high_s"]
+    console.print(f"iteration time  {p.iteration_time_s:.2f} s ({low:.2f}-{high:.2f} s)  "
+                  f"{plan.num_microbatches} micro-batches of {plan.microbatch_size}, {plan.schedule}", highlight=False)
+    console.print(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+                  f"MFU {p.mfu:.1%}", highlight=False)
+    table = Table(title="time per iteration (critical stage)")
+    table.add_column("part")
+    table.add_column("seconds", justify="right")
+    for name, seconds in plan.metrics_under("time.").items():
+        table.add_row(name, f"{seconds:.3f}")
+    console.print(table)
+    table = Table(title="peak memory per device (most loaded stage)")
+    table.add_column("part")
+    table.add_column("memory", justify="right")
+    for name, nbytes in plan.metrics_under("memory.").items():
+        table.add_row(name, _gb(nbytes))
+    table.add_row("total", _gb(p.peak_memory_bytes))
+    console.print(table)
+    for b in plan.baselines:
+        if b.prediction is not None:
+            console.print(f"{b.name}: {b.config}: {b.prediction.iteration_time_s:.2f} s, MFU {b.prediction.mfu:.1%} "
+                          f"(this layout takes {p.iteration_time_s / b.prediction.iteration_time_s:.2f}x as long)",
+                          highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
