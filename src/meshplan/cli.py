@@ -61,7 +61,7 @@ def intra(
     time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 60.0,
     share_layers: Annotated[bool, typer.Option(help="Repeated layers share one choice.")] = True,
     compare_sharing: Annotated[bool, typer.Option(help="Also solve unshared and report the difference.")] = False,
-    space: Annotated[str, typer.Option(help="Strategy space: full or alpa.")] = "full",
+    space: Annotated[str, typer.Option(help="Strategy space: full, or alpa (Alpa's lists and liveness rule).")] = "full",
     flops: Annotated[float, typer.Option(help="Device FLOP/s in the cost unit; 0 switches compute off.")] = 0.0,
     force_replicated_output: Annotated[bool, typer.Option(help="The output must be replicated.")] = False,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = False,
@@ -72,9 +72,14 @@ def intra(
     """Solve the intra-operator (sharding) ILP of a model's forward graph on one logical mesh."""
     logical = _mesh(mesh, mesh_alpha, mesh_beta, memory)
     graph = forward_graph(model, batch, seq_len, layers or None, force_replicated_output)
-    options = IntraOptions(
-        cost=CostModel(flops_per_second=flops or None), space=_space(space), solver=solver,
-        time_limit=time_limit, share_layers=share_layers, reduce_scatter=reduce_scatter)
+    strategy_space = _space(space)
+    alpa = strategy_space is StrategySpace.ALPA
+    # Alpa's space comes with Alpa's liveness (parameters freed after their last use) and, in
+    # its unit setting (compute off), its 2 units per replicated parameter.
+    cost = CostModel(flops_per_second=flops or None, parameters_held=not alpa,
+                     replicated_parameter_cost=2.0 if alpa and not flops else 0.0)
+    options = IntraOptions(cost=cost, space=strategy_space, solver=solver, time_limit=time_limit,
+                           share_layers=share_layers, reduce_scatter=reduce_scatter)
     if dump_lp:
         write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
     plan = solve_intra(graph, logical, options)
@@ -88,7 +93,9 @@ def intra(
         extra.append(f"layer sharing: shared {shared.objective:,.4f} vs unshared {unshared.objective:,.4f} "
                      f"(difference {shared.objective - unshared.objective:,.4f})")
     data = single_stage_plan(plan, "intra", model, global_batch=batch, seq_len=seq_len,
-                             options=(("strategy_space", space),), metrics=tuple(metrics.items())).to_dict()
+                             options=(("strategy_space", space),
+                                      ("liveness", "held parameters" if cost.parameters_held else "alpa")),
+                             metrics=tuple(metrics.items())).to_dict()
     if out:
         write_json_atomic(out, data)
     if json_out:

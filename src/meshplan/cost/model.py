@@ -38,6 +38,13 @@ class CostModel:
             trades time for memory (sharded weights and optimizer state) without a budget.
         activation_price: cost per byte of every other value; a tiny price breaks ties
             between plans of equal time towards the one holding less memory.
+        parameters_held: the liveness rule of memory. True (meshplan's default): parameters
+            are the caller's buffers (weights, optimizer state, inputs), held for the whole step
+            whatever the plan, as they are on the devices; every other value lives from its
+            definition to its last use. False (Alpa's playground): every value, parameters
+            included, lives from its definition to its last use.
+        replicated_parameter_cost: cost added to a parameter's replicated strategy (Alpa's
+            playground charges 2 units, so that ties break towards sharded parameters).
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
@@ -46,6 +53,8 @@ class CostModel:
     accumulation_weight: float = 1.0
     memory_price: float = 0.0
     activation_price: float = 0.0
+    parameters_held: bool = True
+    replicated_parameter_cost: float = 0.0
 
     @property
     def compute_on(self) -> bool:
@@ -56,10 +65,14 @@ class CostModel:
 
     @staticmethod
     def alpa_unit(forced: dict[CollectiveKind, float] | None = None) -> CostModel:
-        """Alpa's playground cost units: truncated alpha-beta terms, tie constants, compute off."""
+        """Alpa's playground cost units: truncated alpha-beta terms, tie constants, compute off,
+        2 units per replicated parameter, and its liveness rule (parameters freed after their
+        last use), so objectives and memory-budget boundaries equal its solver's."""
         return CostModel(
             CollectiveCosts(truncate=True, tie_constants=True, alpa_all_to_all=True,
                             forced=tuple(sorted((forced or {}).items(), key=lambda kv: kv[0].value))),
             flops_per_second=None,
             resharding=ReshardingRule.ALPA,
+            parameters_held=False,
+            replicated_parameter_cost=2.0,
         )
