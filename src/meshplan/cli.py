@@ -61,7 +61,7 @@ def intra(
     time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 60.0,
     share_layers: Annotated[bool, typer.Option(help="Repeated layers share one choice.")] = True,
     compare_sharing: Annotated[bool, typer.Option(help="Also solve unshared and report the difference.")] = False,
-    space: Annotated[str, typer.Option(help="Strategy space: full, or alpa (Alpa's lists and liveness rule).")] = "full",
+    space: Annotated[str, typer.Option(help="Strategy space: full, or alpa (Alpa's lists and liveness).")] = "full",
     flops: Annotated[float, typer.Option(help="Device FLOP/s in the cost unit; 0 switches compute off.")] = 0.0,
     force_replicated_output: Annotated[bool, typer.Option(help="The output must be replicated.")] = False,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = False,
