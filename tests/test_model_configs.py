@@ -70,7 +70,8 @@ def test_block_graph_holds_the_counted_parameters(tmp_path, name):
 def test_moe_model_flops_count_the_activated_experts(tmp_path):
     mixtral = load_hf_config(write(tmp_path, "mixtral", CONFIGS["mixtral-8x7b"][0]))
     job = TrainingJob(mixtral, 256, 4096)
-    assert job.model_flops == 6 * mixtral.active_params() * 256 * 4096
+    assert job.model_flops == 6 * mixtral.flop_params() * 256 * 4096
+    assert mixtral.flop_params() == mixtral.active_params() - 32000 * 4096
     assert job.model_flops < 0.3 * 6 * mixtral.num_params() * 256 * 4096
     assert PRESETS["mixtral-8x7b"].num_params() == mixtral.num_params()
     dense = PRESETS["llama2-7b"]

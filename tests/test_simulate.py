@@ -57,7 +57,8 @@ def test_prediction_is_consistent(small_simulation):
     assert p.pipeline_time_s == pytest.approx(pipeline)
     assert p.iteration_time_s == pytest.approx(pipeline + p.sync_time_s)
     assert p.tokens_per_s == pytest.approx(16 * 256 / p.iteration_time_s)
-    assert p.mfu == pytest.approx(6 * SMALL.num_params() * 16 * 256 / p.iteration_time_s / 4 / 312e12, rel=1e-9)
+    assert p.mfu == pytest.approx(6 * SMALL.flop_params() * 16 * 256 / p.iteration_time_s / 4 / 312e12, rel=1e-9)
+    assert SMALL.flop_params() == SMALL.num_params() - (51200 + 2048) * 768  # no lookup tables
     assert all(s.memory_bytes <= cluster.device.memory_bytes for s in plan.stages)
 
 

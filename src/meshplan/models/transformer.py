@@ -127,6 +127,14 @@ class TransformerConfig:
         N of the 6 N T model FLOPs. Equal to num_params for dense models."""
         return self._params(active=True)
 
+    def flop_params(self) -> int:
+        """Parameters a token multiplies by (the N of 6 N T model FLOPs): the activated ones
+        without the input lookup tables (token and position embeddings gather rows; a tied
+        table still counts once, as the LM head)."""
+        lookups = 0 if self.tied_embeddings else self.vocab * self.hidden
+        positions = self.max_seq_len * self.hidden if self.learned_positions else 0
+        return self.active_params() - lookups - positions
+
     def _params(self, active: bool) -> int:
         blocks = sum(self.block_params(self.is_moe_layer(i), active) for i in range(self.layers))
         positions = self.max_seq_len * self.hidden if self.learned_positions else 0

@@ -123,18 +123,9 @@ class _LayerTimes:
     moe_comm: float
 
 
-def flop_params(job: TrainingJob) -> int:
-    """Parameters a token multiplies by: the activated ones without the input lookup tables
-    (the token and position embeddings gather rows; a tied table still serves as the LM head)."""
-    model = job.model
-    lookups = 0 if model.tied_embeddings else model.vocab * model.hidden
-    positions = model.max_seq_len * model.hidden if model.learned_positions else 0
-    return model.active_params() - lookups - positions
-
-
 def model_flops(job: TrainingJob) -> float:
-    """6 N T training FLOPs of one iteration (N from `flop_params`, T tokens)."""
-    return 6.0 * flop_params(job) * job.tokens
+    """6 N T training FLOPs of one iteration (TrainingJob.model_flops)."""
+    return job.model_flops
 
 
 def check_layout(job: TrainingJob, cluster: Cluster, layout: Layout) -> str:

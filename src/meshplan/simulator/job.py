@@ -34,8 +34,9 @@ class TrainingJob:
     @property
     def model_flops(self) -> float:
         """Training FLOPs per iteration by the usual 6 N T rule (T tokens; N the parameters a token
-        runs through: for MoE the top-k routed and the shared experts, not every expert)."""
-        return 6.0 * self.model.active_params() * self.tokens
+        multiplies by: for MoE the top-k routed and the shared experts, not every expert; not
+        the embedding lookups, which multiply nothing). MFU counts these FLOPs."""
+        return 6.0 * self.model.flop_params() * self.tokens
 
 
 @dataclass(frozen=True, slots=True)
