@@ -143,7 +143,8 @@ def simulate(
     global_batch: Annotated[int, typer.Option(help="Sequences per iteration.")] = 1000,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
-    efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s kernels sustain.")] = 0.5,
+    efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s non-GEMM kernels sustain.")] = 0.5,
+    gemm_curve: Annotated[bool, typer.Option(help="Price GEMMs from their (m, n, k), not at --efficiency.")] = True,
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
@@ -171,7 +172,8 @@ def simulate(
         spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
     nodes, per_node = parse_cluster(cluster)
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
-    options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes),
+    options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
+                             microbatch_sizes=_ints(microbatch_sizes),
                              reduce_scatter=reduce_scatter)
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     if layout:

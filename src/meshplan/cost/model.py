@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from meshplan.cost.collectives import CollectiveCosts, CollectiveKind
+from meshplan.cost.kernels import KernelEfficiency
 
 
 class ReshardingRule(enum.Enum):
@@ -45,6 +46,9 @@ class CostModel:
             included, lives from its definition to its last use.
         replicated_parameter_cost: cost added to a parameter's replicated strategy (Alpa's
             playground charges 2 units, so that ties break towards sharded parameters).
+        gemm: price contractions from their local (m, n, k) with this efficiency curve at
+            `gemm_peak` FLOP/s, instead of at `flops_per_second` (None: one rate for all ops).
+        gemm_peak: the device's peak FLOP/s for the curve.
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
@@ -55,6 +59,8 @@ class CostModel:
     activation_price: float = 0.0
     parameters_held: bool = True
     replicated_parameter_cost: float = 0.0
+    gemm: KernelEfficiency | None = None
+    gemm_peak: float | None = None
 
     @property
     def compute_on(self) -> bool:
@@ -62,6 +68,14 @@ class CostModel:
 
     def compute_cost(self, flops: float) -> float:
         return flops / self.flops_per_second if self.flops_per_second else 0.0
+
+    def contraction_cost(self, flops: float, m: float, n: float, k: float) -> float:
+        """Seconds of a local (m x k) @ (k x n) contraction (batch dims folded into m)."""
+        if not self.flops_per_second:
+            return 0.0
+        if self.gemm is None or not self.gemm_peak:
+            return self.compute_cost(flops)
+        return flops / (self.gemm_peak * self.gemm.gemm(m, n, k))
 
     @staticmethod
     def alpa_unit(forced: dict[CollectiveKind, float] | None = None) -> CostModel:
