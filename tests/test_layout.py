@@ -163,3 +163,19 @@ def test_time_range_brackets_the_prediction():
     assert low < found.iteration_time < high
     assert low == pytest.approx(found.iteration_time * (1 + UNCERTAINTY[0]))
     assert replace(found.layout, vp=1) == found.layout
+
+
+def test_layout_plan_round_trips_and_names_its_parts():
+    from meshplan.plan import Plan
+    from meshplan.simulator.simulate import layout_plan
+
+    job = TrainingJob(PRESETS["llama2-13b"], 7, 4096)
+    cluster = Cluster(50, 4, get_device("v100-32gb"))
+    best = search_layouts(job, cluster).best
+    plan = layout_plan(best, job, cluster, "auto")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert sum(plan.metrics_under("memory.").values()) == pytest.approx(plan.prediction.peak_memory_bytes)
+    low, high = plan.metrics_under("time_range.").values()
+    assert low < plan.prediction.iteration_time_s < high
+    assert any("stay idle" in note for note in plan.notes) == (best.idle_devices > 0)
+    assert parse_layout(plan.option("layout")) == best.layout
