@@ -233,7 +233,9 @@ def profile_cluster(
     repeats: Annotated[int, typer.Option(help="Timed runs per measurement.")] = 5,
 ) -> None:
     """Measure collective latency/bandwidth per mesh axis and matmul throughput on the devices JAX
-    sees, and write a cluster file for `meshplan simulate --cluster-file` (use --efficiency 1)."""
+    sees, fit the GEMM efficiency curve to measured matmuls, and write a cluster file for
+    `meshplan simulate --cluster-file` (with --efficiency 1; for --layout pricing, pass the same
+    file as --efficiency-file to use the measured curve)."""
     import jax
 
     from meshplan.runtime.calibrate import profile_cluster as measure

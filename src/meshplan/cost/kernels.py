@@ -2,7 +2,7 @@
 
 One fixed set of constants prices every run (docs/validation.md states them; nothing is fitted
 per run). A measured set can replace it: `KernelEfficiency.from_file` reads the same fields
-from JSON (e.g. written after profiling the cluster's own GEMMs).
+from JSON, or the GEMM curve `meshplan profile-cluster` fits to the cluster's own GEMMs.
 
 GEMM efficiency follows the shape of NVIDIA's "Matrix Multiplication Background User's Guide"
 (GEMM throughput against M, N, K): throughput rises with each dimension and saturates, small
@@ -70,7 +70,8 @@ class KernelEfficiency:
 
     @classmethod
     def from_file(cls, path: str | Path) -> KernelEfficiency:
-        """Efficiencies from a JSON object of some of this class's fields (others keep defaults).
+        """Efficiencies from a JSON object of some of this class's fields (others keep defaults),
+        or from a cluster file of `meshplan profile-cluster` (its measured "kernel_efficiency").
 
         Raises:
             OptionsError: the file is missing, not JSON, or names an unknown field.
@@ -82,6 +83,8 @@ class KernelEfficiency:
         except json.JSONDecodeError as exc:
             raise OptionsError(f"efficiency file {str(path)!r} is not valid JSON: {exc}") from None
         known = {f.name for f in fields(cls)}
+        if isinstance(raw, dict) and isinstance(raw.get("kernel_efficiency"), dict):
+            raw = raw["kernel_efficiency"]
         if not isinstance(raw, dict) or set(raw) - known:
             unknown = sorted(set(raw) - known) if isinstance(raw, dict) else raw
             raise OptionsError(f"efficiency file {str(path)!r}: unknown fields {unknown}; use {sorted(known)}")
