@@ -178,3 +178,51 @@ def price_run(run: Run, efficiency: KernelEfficiency = DEFAULT_EFFICIENCY) -> La
               if not check_layout(run.job, run.cluster, c)]
     fitting = [p for p in priced if p.fits]
     return min(fitting, key=lambda p: p.iteration_time) if fitting else None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRun:
+    """A run with a published peak memory per GPU (torchtitan's tables)."""
+
+    name: str
+    model: TransformerConfig
+    nodes: int
+    seq_len: int
+    layout: str
+    published_gib: float
+    tokens_per_gpu: float
+
+    @property
+    def cluster(self) -> Cluster:
+        # Grand Teton hosts: H100 with 96 GB HBM2e at 2.4 TB/s, 400 Gb/s per GPU, 500 W.
+        device = device_from_overrides(get_device("h100-80gb"), name="h100-96gb", memory_bytes=96 * 2**30,
+                                       memory_bandwidth=2.4e12)
+        return Cluster(self.nodes, 8, device)
+
+    @property
+    def job(self) -> TrainingJob:
+        layout = parse_layout(self.layout)
+        return TrainingJob(self.model.replace(max_seq_len=self.seq_len), layout.dp * layout.mb, self.seq_len)
+
+    @property
+    def published_s(self) -> float:
+        return self.job.tokens / (self.tokens_per_gpu * self.cluster.num_devices)
+
+
+TORCHTITAN = ("torchtitan docs/performance.md (Llama 3.1 on H100 96GB, torch.compile + Float8, "
+              "full activation checkpointing)")
+_TT = "recompute=full,fsdp=on,overlap=on,fp8=on"
+MEMORY_RUNS: tuple[MemoryRun, ...] = (
+    MemoryRun("torchtitan-8b-fsdp8", PRESETS["llama3-8b"], 1, 32768, f"tp=1,pp=1,dp=8,mb=1,{_TT}", 83.9, 3890),
+    MemoryRun("torchtitan-8b-fsdp4-cp2", PRESETS["llama3-8b"], 1, 65536, f"tp=1,pp=1,dp=4,cp=2,mb=1,{_TT}", 84.2, 2540),
+    MemoryRun("torchtitan-8b-fsdp2-cp4", PRESETS["llama3-8b"], 1, 131072, f"tp=1,pp=1,dp=2,cp=4,mb=1,{_TT}", 84.0,
+              1071),
+    MemoryRun("torchtitan-8b-cp8", PRESETS["llama3-8b"], 1, 262144, f"tp=1,pp=1,dp=1,cp=8,mb=1,{_TT}", 84.5, 548),
+    MemoryRun("torchtitan-70b-fsdp32-tp8", PRESETS["llama3-70b"], 32, 8192, f"tp=8,pp=1,dp=32,mb=16,sp=on,{_TT}", 71.9,
+              829),
+)
+
+
+def price_memory_run(run: MemoryRun) -> LayoutPrediction:
+    """The run priced with its layout (all of the device's memory counted as usable)."""
+    return price_layout(run.job, run.cluster, parse_layout(run.layout), memory_fraction=1.0)

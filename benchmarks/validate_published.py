@@ -13,10 +13,11 @@ import statistics
 import sys
 from dataclasses import asdict
 
-from published_runs import RUNS, price_run
+from published_runs import MEMORY_RUNS, RUNS, price_memory_run, price_run
 
 from meshplan.cost.kernels import DEFAULT_EFFICIENCY
 from meshplan.simulator.analytic import UNCERTAINTY
+from meshplan.simulator.layout import parse_layout
 
 from common import save
 
@@ -40,14 +41,40 @@ def main(only: set[str]) -> None:
     summary = {"runs": len(cases), "priced": len(errors), "mae": statistics.mean(abs(e) for e in errors),
                "mean_signed": statistics.mean(errors), "efficiency": asdict(DEFAULT_EFFICIENCY),
                "by_size": by_size(cases), "spread": spread(cases), "uncertainty_in_code": UNCERTAINTY}
-    cases.append({"name": "summary", **summary})
+    memory = memory_cases()
+    cases.append({"name": "summary", **summary, "memory": memory})
     print(table(cases[:-1]))
+    print()
+    print(memory_table(memory))
     print(f"\nmean absolute error {summary['mae']:.1%} over {summary['priced']} runs, mean signed "
           f"{summary['mean_signed']:+.1%}; spread (10th, 90th percentile of published/predicted - 1) "
           f"{summary['spread'][0]:+.1%}, {summary['spread'][1]:+.1%}")
     for (low, high), (count, signed, absolute) in zip(SIZES, summary["by_size"], strict=True):
         print(f"{low}-{high}B: {count} runs, mean signed {signed:+.1%}, mean absolute {absolute:.1%}")
     print("wrote", save("validation", cases))
+
+
+def memory_cases() -> list[dict]:
+    rows = []
+    for run in MEMORY_RUNS:
+        found = price_memory_run(run)
+        gib = found.memory.total / 2**30
+        rows.append({"name": run.name, "layout": parse_layout(run.layout).text(), "seq_len": run.seq_len,
+                     "gpus": run.cluster.num_devices, "published_gib": run.published_gib, "predicted_gib": gib,
+                     "memory_error": gib / run.published_gib - 1, "published_s": run.published_s,
+                     "predicted_s": found.iteration_time, "time_error": found.iteration_time / run.published_s - 1,
+                     "parts_gib": {name: value / 2**30 for name, value in found.memory.items()}})
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| run | GPUs | sequence | layout | published GiB | predicted GiB | memory error | published s | "
+             "predicted s | time error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['seq_len']} | `{r['layout']}` | {r['published_gib']:.1f} | "
+                     f"{r['predicted_gib']:.1f} | {r['memory_error']:+.1%} | {r['published_s']:.2f} | "
+                     f"{r['predicted_s']:.2f} | {r['time_error']:+.1%} |")
+    return "\n".join(lines)
 
 
 def by_size(cases: list[dict]) -> list[tuple[int, float, float]]:

@@ -93,3 +93,25 @@ def test_command_line_layout_reproduces_a_validated_run(tmp_path):
     # The preset differs from the paper's GPT only by its 2048-position table.
     assert data["prediction"]["iteration_time_s"] == pytest.approx(doc_rows()[run.name][2], abs=0.01)
     assert parse_layout(data["options"]["layout"]) == parse_layout(run.layout)
+
+
+MEMORY_ROW = re.compile(r"^\| (torchtitan\S+) \| \d+ \| \d+ \| `([^`]+)` \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|")
+
+
+def test_memory_rows_reproduce_the_doc():
+    """The torchtitan memory rows of docs/validation.md are what the code predicts today, and
+    every predicted peak is the sum of its parts."""
+    from published_runs import MEMORY_RUNS, price_memory_run
+
+    rows = {}
+    for line in (ROOT / "docs" / "validation.md").read_text().splitlines():
+        match = MEMORY_ROW.match(line)
+        if match:
+            rows[match.group(1)] = (match.group(2), float(match.group(3)), float(match.group(4)))
+    assert set(rows) == {run.name for run in MEMORY_RUNS}
+    for run in MEMORY_RUNS:
+        layout, published, predicted = rows[run.name]
+        found = price_memory_run(run)
+        assert parse_layout(layout) == parse_layout(run.layout) and published == run.published_gib
+        assert round(found.memory.total / 2**30, 1) == pytest.approx(predicted, abs=1e-9)
+        assert found.memory.total == pytest.approx(sum(v for _, v in found.memory.items()))

@@ -228,11 +228,26 @@ class _Pricer:
         backward_compute = 2 * gemms + (2.5 if self.flash else 2.0) * (attention + softmax) + 2 * elementwise
         tp_comm = self._tp_comm() + self._cp_comm(attention)
         moe_comm = self._moe_comm() if moe else 0.0
-        forward = forward_compute + tp_comm + moe_comm
-        backward = backward_compute + tp_comm + moe_comm + self.eff.per_layer_overhead_s
+        gather, scatter = self._fsdp_comm(moe)
+        forward = forward_compute + tp_comm + moe_comm + max(0.0, gather - forward_compute)
+        backward = (backward_compute + tp_comm + moe_comm + max(0.0, gather + scatter - backward_compute)
+                    + self.eff.per_layer_overhead_s)
         recompute = {"none": 0.0, "full": forward,
                      "selective": 0.0 if self.flash else attention + softmax}[lay.recompute]
         return _LayerTimes(forward, backward, recompute, attention + softmax, 2 * tp_comm, 2 * moe_comm)
+
+    def _fsdp_comm(self, moe: bool) -> tuple[float, float]:
+        """(all-gather of one layer's weights, reduce-scatter of its gradients) under fully
+        sharded data parallelism; prefetched, so only what the layer's compute does not cover
+        is exposed."""
+        lay = self.layout
+        group = lay.dp * lay.cp
+        if not lay.fsdp or group == 1:
+            return 0.0, 0.0
+        params = self.model.block_params(moe) / lay.tp
+        weights = self._hierarchical(params * self.bytes, group) / 2  # an all-gather: half an all-reduce
+        grads = self._hierarchical(params * self._grad_bytes, group) / 2
+        return weights, grads
 
     def _mlp_width(self, moe: bool) -> float:
         model = self.model
@@ -381,12 +396,14 @@ class _Pricer:
             dense, expert = self._stage_params(layers, j == 0, j == lay.pp - 1)
             comm = self._hierarchical(dense * grad_bytes, group) + self._hierarchical(expert * grad_bytes,
                                                                                       group // lay.ep)
-            if lay.distributed_optimizer:
+            if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
+                comm = self._fsdp_comm(self.model.is_moe_layer(layers[-1]))[1] if layers else 0.0
+            elif lay.distributed_optimizer:
                 comm = comm / 2 + self._hierarchical(dense * self.bytes, group) / 2  # RS of grads + AG of weights
             exposed = comm
             if lay.overlap:
                 exposed = max(comm - backward_window, comm * self.eff.dp_overlap_tail)
-            shard = group if lay.distributed_optimizer else 1
+            shard = group if lay.distributed_optimizer or lay.fsdp else 1
             state = (dense / shard + expert / (max(1, group // lay.ep) if lay.distributed_optimizer else 1))
             optimizer = self._hbm(state * 30)  # read fp32 master, moments and gradient; write them and the weights
             worst_sync, worst_opt = max(worst_sync, exposed), max(worst_opt, optimizer)
@@ -457,11 +474,15 @@ class _Pricer:
             group = lay.dp * lay.cp
             weights = params * self.bytes
             gradients = params * self._grad_bytes
+            gathered = 0.0
+            if lay.fsdp:  # sharded fp32 master copy in the optimizer state; two layers gathered at a time
+                weights, gradients = 0.0, gradients / group
+                gathered = 2 * max(model.block_params(model.is_moe_layer(i)) for i in layers) / lay.tp * self.bytes
             per_param_state = {"adam": 12, "sgd": 4}.get(self.job.optimizer, 12)
             if self.job.dtype is DType.F32:
                 per_param_state -= 4  # no separate fp32 master copy
-            shard_dense = group if lay.distributed_optimizer else 1
-            shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer else 1
+            shard_dense = group if lay.distributed_optimizer or lay.fsdp else 1
+            shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer or lay.fsdp else 1
             optimizer = per_param_state * (dense / shard_dense + expert / shard_expert)
             kept = [self._activation_bytes(model.is_moe_layer(i)) for i in layers]
             held = max(1.0, min(self._inflight(j), self.num_microbatches))
@@ -472,7 +493,7 @@ class _Pricer:
                 one = sum(k[0] for k in kept)
                 working = 0.0
             logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
-            workspace = WORKSPACE_BYTES + max(working, logits)
+            workspace = WORKSPACE_BYTES + max(working, logits) + gathered
             breakdown = MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one, workspace)
             if worst is None or breakdown.total > worst.total:
                 worst = breakdown

@@ -17,7 +17,8 @@ _ON = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": 
 # Short names on the command line -> Layout fields.
 _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vp": "vp", "mb": "mb", "sp": "sp",
          "recompute": "recompute", "zero": "distributed_optimizer", "distopt": "distributed_optimizer",
-         "overlap": "overlap", "tpo": "tp_overlap", "flash": "flash", "fp8": "fp8", "fp32grads": "fp32_grads"}
+         "overlap": "overlap", "tpo": "tp_overlap", "flash": "flash", "fp8": "fp8", "fp32grads": "fp32_grads",
+         "fsdp": "fsdp"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,9 @@ class Layout:
         fp8: GEMMs in fp8 (Transformer Engine), attention and communication in bf16.
         fp32_grads: gradients accumulated and reduced in fp32 (Megatron's default for bf16
             training); off keeps them in the training dtype (NeMo's performance recipes).
+        fsdp: fully sharded data parallel (ZeRO-3, PyTorch FSDP2): weights, gradients and
+            optimizer state sharded over dp x cp; each layer's weights all-gathered for its
+            forward and backward and its gradients reduce-scattered, under the compute.
     """
 
     tp: int = 1
@@ -56,6 +60,7 @@ class Layout:
     flash: bool | None = None
     fp8: bool = False
     fp32_grads: bool = True
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "vp", "mb"):
@@ -85,8 +90,8 @@ class Layout:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep", "vp") if getattr(self, k) != 1]
         parts += [f"mb={self.mb}", f"sp={'on' if self.sp else 'off'}", f"recompute={self.recompute}"]
-        flags = (("zero", self.distributed_optimizer), ("overlap", self.overlap), ("tpo", self.tp_overlap),
-                 ("fp8", self.fp8))
+        flags = (("zero", self.distributed_optimizer), ("fsdp", self.fsdp), ("overlap", self.overlap),
+                 ("tpo", self.tp_overlap), ("fp8", self.fp8))
         parts += [f"{k}=on" for k, v in flags if v]
         if not self.fp32_grads:
             parts.append("fp32grads=off")
@@ -98,7 +103,7 @@ class Layout:
 def parse_layout(text: str) -> Layout:
     """Read `key=value` pairs separated by commas, e.g. "tp=8,pp=8,dp=16,vp=3,mb=1,sp=on".
 
-    Keys: tp, pp, dp, cp, ep, vp, mb (integers); sp, zero (distributed optimizer), overlap,
+    Keys: tp, pp, dp, cp, ep, vp, mb (integers); sp, zero (distributed optimizer), fsdp, overlap,
     tpo (tensor-parallel overlap), flash, fp8, fp32grads (on/off); recompute (none/selective/full).
 
     Raises:
