@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY
 from meshplan.cost.model import CostModel
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
@@ -58,12 +59,15 @@ def training_parts(piece: PieceGraph) -> TrainingParts:
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                   memory_price: float = 0.0, time_limit: float = 30.0,
-                  force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[LayerCost, IntraPlan]:
+                  force_batch_axis: int | None = 0, reduce_scatter: bool = False,
+                  gemm_peak: float | None = None) -> tuple[LayerCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
-    read its costs off the plan; `reduce_scatter` as in IntraOptions."""
+    read its costs off the plan; `reduce_scatter` as in IntraOptions; with `gemm_peak`,
+    contractions are priced from their shapes (meshplan.cost.kernels) at that peak."""
     options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
                                           accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
-                                          activation_price=ACTIVATION_PRICE),
+                                          activation_price=ACTIVATION_PRICE,
+                                          gemm=DEFAULT_EFFICIENCY if gemm_peak else None, gemm_peak=gemm_peak),
                            force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
                            reduce_scatter=reduce_scatter)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
@@ -72,24 +76,25 @@ def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float,
 
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
-                 reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
+                 reduce_scatter: bool = False, gemm_peak: float | None = None) -> tuple[LayerCost, ...]:
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
     return tuple(cost for cost, _ in menu_plans(piece, mesh, flops_per_second, num_microbatches, prices,
-                                                force_batch_axis, reduce_scatter))
+                                                force_batch_axis, reduce_scatter, gemm_peak))
 
 
 def menu_plans(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
-               reduce_scatter: bool = False) -> tuple[tuple[LayerCost, IntraPlan], ...]:
+               reduce_scatter: bool = False,
+               gemm_peak: float | None = None) -> tuple[tuple[LayerCost, IntraPlan], ...]:
     """`profile_menu`'s entries with the intra-op plan each was read from."""
     menu = [profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
-                          reduce_scatter=reduce_scatter)]
+                          reduce_scatter=reduce_scatter, gemm_peak=gemm_peak)]
     unit = max(mesh.beta)
     for factor in prices:
         if factor <= 0:
             continue
         entry = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
-                              force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
+                              force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter, gemm_peak=gemm_peak)
         if entry[0].static_bytes < menu[-1][0].static_bytes * 0.999:
             menu.append(entry)
     return tuple(menu)
@@ -144,14 +149,16 @@ def price_view(task: PricingTask) -> ViewCosts:
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
     mesh = cluster.logical_views(key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
+    gemm_peak = cluster.device.peak_flops if options.gemm_curve else None
     axis = batch_axis(mesh)
     blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
     def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
         if task.lean:
-            return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter)
+            return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter,
+                                gemm_peak)
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
-                              reduce_scatter=options.reduce_scatter)[0],)
+                              reduce_scatter=options.reduce_scatter, gemm_peak=gemm_peak)[0],)
 
     menus = {moe: menu(g) for moe, g in blocks.items()}
     layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
