@@ -30,6 +30,9 @@ def test_preset_sizes_match_published_counts():
     assert PRESETS["llama2-13b"].num_params() == pytest.approx(13.0e9, rel=0.01)
     assert PRESETS["llama2-70b"].num_params() == pytest.approx(69.0e9, rel=0.01)
     assert PRESETS["gpt3-175b"].num_params() == pytest.approx(175e9, rel=0.01)
+    assert PRESETS["llama3.1-8b"].num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert PRESETS["llama3.1-70b"].num_params() == pytest.approx(70.6e9, rel=0.01)
+    assert PRESETS["llama3.1-405b"].num_params() == pytest.approx(405.9e9, rel=0.01)
 
 
 def test_hugging_face_config(tmp_path):

@@ -96,8 +96,8 @@ class TransformerConfig:
         return replace(self, **changes)
 
 
-def _llama(name, hidden, heads, layers, ffn, kv_heads=None):
-    return TransformerConfig(name, "llama", hidden, heads, layers, ffn, 32000, kv_heads)
+def _llama(name, hidden, heads, layers, ffn, kv_heads=None, vocab=32000, seq=4096):
+    return TransformerConfig(name, "llama", hidden, heads, layers, ffn, vocab, kv_heads, max_seq_len=seq)
 
 
 def _gpt(name, hidden, heads, layers, vocab=51200, seq=2048):
@@ -109,6 +109,10 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in (
     _llama("llama2-7b", 4096, 32, 32, 11008),
     _llama("llama2-13b", 5120, 40, 40, 13824),
     _llama("llama2-70b", 8192, 64, 80, 28672, kv_heads=8),
+    # Llama 3.1 (Meta's model cards): grouped-query attention with 8 KV heads, 128,256-token vocabulary.
+    _llama("llama3.1-8b", 4096, 32, 32, 14336, kv_heads=8, vocab=128256, seq=131072),
+    _llama("llama3.1-70b", 8192, 64, 80, 28672, kv_heads=8, vocab=128256, seq=131072),
+    _llama("llama3.1-405b", 16384, 128, 126, 53248, kv_heads=8, vocab=128256, seq=131072),
     # GPT-3 sizes of Alpa's benchmark (Alpa §8.1, after Brown et al. 2020).
     _gpt("gpt3-125m", 768, 12, 12),
     _gpt("gpt3-350m", 1024, 16, 24),

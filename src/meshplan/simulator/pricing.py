@@ -5,19 +5,20 @@ first layer; the LM head, stacked onto the last). Every piece is planned by the 
 each logical view of each candidate sub-mesh, once per memory price (a menu: the fastest plan,
 then plans that hold less memory for more time), and its costs are read off the plan
 (meshplan.inter.costs.layer_cost). Identical blocks are planned once. The work is a list of
-independent `PricingTask`s, run in this process or a process pool (`run_tasks`).
+independent `PricingTask`s, run through a `meshplan.distributed.TaskRunner` (`price_tasks`): in this
+process, a process pool or Ray, with retries and an optional resume cache.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
+from meshplan.distributed import Task, TaskRunner, run_tasks
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
 from meshplan.intra.options import IntraOptions
@@ -44,6 +45,8 @@ _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
 _PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
 
 Progress = Callable[[str, int, int], None]
+# Part of every task's cache key: raise it when pricing changes what a task returns.
+CACHE_VERSION = 1
 
 
 def training_parts(piece: PieceGraph) -> TrainingParts:
@@ -187,19 +190,29 @@ def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:
     return next(i for i in range(model.layers) if model.is_moe_layer(i) == moe)
 
 
-def run_tasks(tasks: list[PricingTask], workers: int, progress: Progress | None,
-              label: str) -> dict[ViewKey, PricingResult]:
-    """Run tasks, in a process pool when `workers` > 1; results keyed by each task's key."""
+def task_name(key: ViewKey) -> str:
+    """E.g. "view micro-batch 8 on sub-mesh 2x4 view 0"."""
+    return f"{key.kind} micro-batch {key.microbatch_size} on sub-mesh {'x'.join(map(str, key.submesh))} view " \
+           f"{key.view_index}"
+
+
+def task_key(task: PricingTask) -> str:
+    """Everything a task's result depends on (the worker count does not), for the task cache."""
+    neutral = replace(task, options=replace(task.options, workers=1))
+    return f"price_task {CACHE_VERSION} {neutral!r}"
+
+
+def price_tasks(tasks: list[PricingTask], runner: TaskRunner | None, progress: Progress | None,
+                label: str) -> dict[ViewKey, PricingResult]:
+    """Run tasks through `runner` (in this process when None); results keyed by each task's key.
+    A task that failed every attempt becomes a result without costs (not a candidate)."""
+    outcomes = run_tasks(price_task, [Task(task_name(t.key), task_key(t), t) for t in tasks], runner, progress,
+                         label)
     results: dict[ViewKey, PricingResult] = {}
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for done, result in enumerate(pool.map(price_task, tasks), start=1):
-                results[result.key] = result
-                if progress:
-                    progress(label, done, len(tasks))
-    else:
-        for done, task in enumerate(tasks, start=1):
-            results[task.key] = price_task(task)
-            if progress:
-                progress(label, done, len(tasks))
+    for task, outcome in zip(tasks, outcomes, strict=True):
+        if outcome.ok:
+            results[task.key] = outcome.value
+        else:
+            tries = f" after {outcome.attempts} attempts" if outcome.attempts > 1 else ""
+            results[task.key] = PricingResult(task.key, None, f"{outcome.error}{tries}")
     return results

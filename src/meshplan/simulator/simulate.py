@@ -11,11 +11,20 @@ import time
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.distributed import TaskRunner
 from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.planner import PipelinePlan, PlannerStats, Progress, plan_training, planned_microbatch_sizes
+from meshplan.simulator.planner import (
+    PipelinePlan,
+    PlannerStats,
+    Progress,
+    default_runner,
+    plan_training,
+    planned_microbatch_sizes,
+)
+from meshplan.simulator.pricing import task_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +80,26 @@ def _placed(pipeline: PipelinePlan, cluster: Cluster) -> tuple[Stage, ...]:
 
 
 def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
-             progress: Progress | None = None, baselines: bool = True) -> Simulation:
+             progress: Progress | None = None, baselines: bool = True, runner: TaskRunner | None = None) -> Simulation:
     """Plan `job` on `cluster` and price the baselines; raises InfeasiblePlanError when no
-    plan fits."""
+    plan fits. `runner` runs the pricing tasks (default: a process pool of `options.workers`);
+    a task that fails every attempt is named in the plan's notes and its view left out."""
     options = options or PlannerOptions()
+    with default_runner(runner, options) as tasks_runner:
+        return _simulate(job, cluster, options, progress, baselines, tasks_runner)
+
+
+def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
+              baselines: bool, runner: TaskRunner) -> Simulation:
     stats = PlannerStats()
     priced: dict = {}
-    best = plan_training(job, cluster, options, progress, stats, priced)
+    best = plan_training(job, cluster, options, progress, stats, priced, runner)
     found: list[Baseline] = []
     if baselines:
         start = time.perf_counter()
         sizes = planned_microbatch_sizes(job, cluster, options)
-        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress))
-        found.extend(evaluate_data_parallel(job, cluster, options, priced))
+        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
+        found.extend(evaluate_data_parallel(job, cluster, options, priced, runner))
         stats.timed("baselines", start)
     results = tuple(BaselineResult(b.name, b.config, to_plan(b.plan, job, cluster) if b.plan else None, b.reason)
                     for b in found)
@@ -98,7 +114,6 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
-    failed = tuple(f"pricing {r.key.kind} micro-batch {r.key.microbatch_size} on sub-mesh "
-                   f"{'x'.join(map(str, r.key.submesh))} view {r.key.view_index} failed ({r.error}); not a candidate"
+    failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
     return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed), results)
