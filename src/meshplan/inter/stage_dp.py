@@ -71,7 +71,11 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
     used = [m for m in range(len(sizes)) if 0 < sizes[m] <= num_devices and np.isfinite(lat[:, :, m, 1:]).any()]
     if not used:
         return None
-    table = _BandTable(lat[:, :, used, :], sizes[used], num_devices)
+    # Count devices in units of the sizes' common divisor (whole nodes, often): same plans, fewer columns.
+    unit = math.gcd(*(int(size) for size in sizes[used]))
+    if num_devices % unit:
+        return None
+    table = _BandTable(lat[:, :, used, :], sizes[used] // unit, num_devices // unit)
     candidates = table.candidates()
     if relative_bucket > 0:
         candidates = _bucket(candidates, relative_bucket)
@@ -168,14 +172,16 @@ class _BandTable:
         f_prev[k_all, 0] = 0.0
         history = [f_prev]
         best_s, best_value = 0, INF
+        largest = int(self.sizes.max())
         for s in range(1, self.max_stages + 1):
             f_cur = np.full_like(f_prev, INF)
+            reach = min(d_all, s * largest) + 1  # s stages hold at most s of the largest sub-mesh
             for m, size in enumerate(self.sizes):
                 spans = np.flatnonzero(self.fastest[:, s, m] <= t_max) + 1
-                if spans.size == 0:
+                if spans.size == 0 or size >= reach:
                     continue
-                shifted = f_prev[:, : d_all + 1 - size]  # F(s - 1, j, d - size) at column d
-                target = f_cur[:, size:]
+                shifted = f_prev[:, : reach - size]  # F(s - 1, j, d - size) at column d
+                target = f_cur[:, size:reach]
                 for n in spans:
                     band = self.bands[n - 1][s, m]
                     band = np.where(band <= t_max, band, INF)
