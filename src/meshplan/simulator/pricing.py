@@ -23,7 +23,7 @@ from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
-from meshplan.intra.solve import solve_intra
+from meshplan.intra.solve import solve_intra, solve_intra_prices
 from meshplan.ir import DType, OpKind
 from meshplan.models.training import (
     PieceGraph,
@@ -63,28 +63,33 @@ def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float,
                   force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[LayerCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
     read its costs off the plan; `reduce_scatter` as in IntraOptions."""
-    options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
-                                          accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
-                                          activation_price=ACTIVATION_PRICE),
-                           force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
-                           reduce_scatter=reduce_scatter)
+    options = _piece_options(flops_per_second, num_microbatches, memory_price, time_limit, force_batch_axis,
+                             reduce_scatter)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
     return layer_cost(piece.graph, plan, training_parts(piece), num_microbatches), plan
+
+
+def _piece_options(flops_per_second: float, num_microbatches: int, memory_price: float, time_limit: float,
+                   force_batch_axis: int | None, reduce_scatter: bool) -> IntraOptions:
+    return IntraOptions(cost=CostModel(flops_per_second=flops_per_second, accumulation_weight=1.0 / num_microbatches,
+                                       memory_price=memory_price, activation_price=ACTIVATION_PRICE),
+                        force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
+                        reduce_scatter=reduce_scatter)
 
 
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
                  reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
-    """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
-    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
-                               reduce_scatter=reduce_scatter)
-    menu = [fastest]
+    """Pareto-style menu: the fastest plan and plans that hold less memory for more time (one
+    enumeration of strategies for every price: `solve_intra_prices`)."""
     unit = max(mesh.beta)
-    for factor in prices:
-        if factor <= 0:
-            continue
-        cost, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
-                                force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
+    factors = (0.0, *(f for f in prices if f > 0))
+    options = _piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter)
+    plans = solve_intra_prices(piece.graph, mesh.with_memory(None), options, tuple(f * unit for f in factors))
+    parts = training_parts(piece)
+    menu = [layer_cost(piece.graph, plans[0], parts, num_microbatches)]
+    for plan in plans[1:]:
+        cost = layer_cost(piece.graph, plan, parts, num_microbatches)
         if cost.static_bytes < menu[-1].static_bytes * 0.999:
             menu.append(cost)
     return tuple(menu)
