@@ -148,6 +148,12 @@ def simulate(
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
+    executor: Annotated[str, typer.Option(help="Where pricing tasks run: auto, inprocess, pool or ray.")] = "auto",
+    ray_address: Annotated[str, typer.Option(help="With --executor ray: local (start one here), auto or "
+                                                  "ray://HOST:PORT (join a cluster).")] = "local",
+    cache: Annotated[str, typer.Option(help="Folder caching finished tasks; a rerun resumes from it.")] = "",
+    task_retries: Annotated[int, typer.Option(help="Retries of a task whose attempt failed.")] = 2,
+    task_time_limit: Annotated[float, typer.Option(help="Seconds per task attempt (0: none; pool and Ray).")] = 0.0,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
@@ -162,6 +168,7 @@ def simulate(
     """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
     from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
     from meshplan.cluster.devices import device_from_overrides, get_device
+    from meshplan.distributed import TaskRunner, make_executor
     from meshplan.ir import as_dtype
     from meshplan.models.transformer import model_config
     from meshplan.report.simulation_text import print_simulation
@@ -183,8 +190,10 @@ def simulate(
         plan = _price_layout(job, machines, layout, efficiency_file)
         data, show = plan.to_dict(), print_layout
     else:
-        with _progress(enabled=not json_out) as progress:
-            sim = run_simulation(job, machines, options, progress, baselines)
+        runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
+                            cache or None)
+        with runner, _progress(enabled=not json_out) as progress:
+            sim = run_simulation(job, machines, options, progress, baselines, runner)
         plan, data, show = sim.plan, sim.to_dict(), print_simulation
     if out:
         write_json_atomic(out, data)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.distributed import TaskRunner
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
@@ -23,9 +24,11 @@ from meshplan.simulator.planner import (
     PlannerStats,
     Progress,
     capacity,
+    default_runner,
     plan_training,
     planned_microbatch_sizes,
 )
+from meshplan.simulator.pricing import task_name
 from meshplan.simulator.stage_plans import with_stage_plans
 
 
@@ -127,22 +130,30 @@ def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> 
 
 
 def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
-             progress: Progress | None = None, baselines: bool = True) -> Simulation:
+             progress: Progress | None = None, baselines: bool = True, runner: TaskRunner | None = None) -> Simulation:
     """Plan `job` on `cluster` and price the baselines; raises InfeasiblePlanError when no
     plan fits.
 
     The auto plan comes from the intra-op ILP and the stage DP over every device. When they
     find none (a global batch that does not split over the stages' nodes, or memory), the
     fastest Megatron-style layout that fits is the plan, idle devices reported; only when no
-    layout fits either is the error raised, naming the memory the leanest one needs."""
+    layout fits either is the error raised, naming the memory the leanest one needs. `runner`
+    runs the pricing tasks (default: a process pool of `options.workers`); a task that fails
+    every attempt is named in the plan's notes and its view left out."""
     options = options or PlannerOptions()
+    with default_runner(runner, options) as tasks_runner:
+        return _simulate(job, cluster, options, progress, baselines, tasks_runner)
+
+
+def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
+              baselines: bool, runner: TaskRunner) -> Simulation:
     stats = PlannerStats()
     priced: dict = {}
     start = time.perf_counter()
     search = search_layouts(job, cluster, memory_fraction=options.memory_fraction)
     stats.timed("layout search", start)
     try:
-        best = plan_training(job, cluster, options, progress, stats, priced)
+        best = plan_training(job, cluster, options, progress, stats, priced, runner)
     except InfeasiblePlanError:
         if search.best is None:
             raise InfeasiblePlanError(no_fit_message(job, cluster, search),
@@ -158,8 +169,8 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
     if baselines:
         start = time.perf_counter()
         sizes = planned_microbatch_sizes(job, cluster, options)
-        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress))
-        found.extend(evaluate_data_parallel(job, cluster, options, priced))
+        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
+        found.extend(evaluate_data_parallel(job, cluster, options, priced, runner))
         stats.timed("baselines", start)
     results = tuple(BaselineResult(b.name, b.config, to_plan(b.plan, job, cluster) if b.plan else None, b.reason)
                     for b in found)
@@ -180,8 +191,7 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
         summaries += (BaselineSummary("layout-search", f"closed form: {search.best.layout.text()}",
                                       layout_plan(search.best, job, cluster, "layout-search").prediction),)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
-    failed = tuple(f"pricing {r.key.kind} micro-batch {r.key.microbatch_size} on sub-mesh "
-                   f"{'x'.join(map(str, r.key.submesh))} view {r.key.view_index} failed ({r.error}); not a candidate"
+    failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
     budget = (("memory_budget_bytes", repr(capacity(cluster, options))),)
     return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed,
