@@ -105,6 +105,10 @@ def run(*args):
     (("--global-batch", "10", "--microbatch-sizes", "3"), "does not divide"),
     (("--model", "llama2-70b", "--cluster", "1x4", "--device", "v100-16gb", "--global-batch", "4",
       "--seq-len", "256", "--microbatch-sizes", "1", "--no-baselines"), "does not fit"),
+    (("--layout", "tp=8,pq=2"), "'pq=2' is not KEY=VALUE"),
+    (("--layout", "tp=8,pp=8,dp=16"), "needs 1024 devices"),
+    (("--layout", "tp=3"), "tp=3 does not divide"),
+    (("--layout", "tp=4,pp=2,dp=25", "--efficiency-file", "/nonexistent/eff.json"), "does not exist"),
 ])
 def test_simulate_user_errors(args, message):
     result = run(*args)
