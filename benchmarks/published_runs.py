@@ -146,8 +146,8 @@ def _nemo() -> list[Run]:
         ("llama2-7b", llama2["llama2-7b"], 8, 128, 4096, 1, 1, 1, 1, 1, 16934),
         ("llama2-13b", llama2["llama2-13b"], 16, 128, 4096, 1, 4, 1, 10, 1, 8715),
         ("llama2-70b", llama2["llama2-70b"], 64, 128, 4096, 4, 4, 1, 20, 1, 1728),
-        ("llama3-8b", PRESETS["llama3-8b"], 8, 128, 8192, 1, 1, 2, 1, 1, 12273),
-        ("llama3-70b", PRESETS["llama3-70b"], 64, 128, 8192, 4, 4, 2, 5, 1, 1524),
+        ("llama3-8b", PRESETS["llama3.1-8b"], 8, 128, 8192, 1, 1, 2, 1, 1, 12273),
+        ("llama3-70b", PRESETS["llama3.1-70b"], 64, 128, 8192, 4, 4, 2, 5, 1, 1524),
     )
     runs = []
     for name, model, gpus, batch, seq, tp, pp, cp, vp, mb, tokens in rows:
@@ -213,13 +213,14 @@ TORCHTITAN = ("torchtitan docs/performance.md (Llama 3.1 on H100 96GB, torch.com
               "full activation checkpointing)")
 _TT = "recompute=full,fsdp=on,overlap=on,fp8=on"
 MEMORY_RUNS: tuple[MemoryRun, ...] = (
-    MemoryRun("torchtitan-8b-fsdp8", PRESETS["llama3-8b"], 1, 32768, f"tp=1,pp=1,dp=8,mb=1,{_TT}", 83.9, 3890),
-    MemoryRun("torchtitan-8b-fsdp4-cp2", PRESETS["llama3-8b"], 1, 65536, f"tp=1,pp=1,dp=4,cp=2,mb=1,{_TT}", 84.2, 2540),
-    MemoryRun("torchtitan-8b-fsdp2-cp4", PRESETS["llama3-8b"], 1, 131072, f"tp=1,pp=1,dp=2,cp=4,mb=1,{_TT}", 84.0,
+    MemoryRun("torchtitan-8b-fsdp8", PRESETS["llama3.1-8b"], 1, 32768, f"tp=1,pp=1,dp=8,mb=1,{_TT}", 83.9, 3890),
+    MemoryRun("torchtitan-8b-fsdp4-cp2", PRESETS["llama3.1-8b"], 1, 65536, f"tp=1,pp=1,dp=4,cp=2,mb=1,{_TT}", 84.2,
+              2540),
+    MemoryRun("torchtitan-8b-fsdp2-cp4", PRESETS["llama3.1-8b"], 1, 131072, f"tp=1,pp=1,dp=2,cp=4,mb=1,{_TT}", 84.0,
               1071),
-    MemoryRun("torchtitan-8b-cp8", PRESETS["llama3-8b"], 1, 262144, f"tp=1,pp=1,dp=1,cp=8,mb=1,{_TT}", 84.5, 548),
-    MemoryRun("torchtitan-70b-fsdp32-tp8", PRESETS["llama3-70b"], 32, 8192, f"tp=8,pp=1,dp=32,mb=16,sp=on,{_TT}", 71.9,
-              829),
+    MemoryRun("torchtitan-8b-cp8", PRESETS["llama3.1-8b"], 1, 262144, f"tp=1,pp=1,dp=1,cp=8,mb=1,{_TT}", 84.5, 548),
+    MemoryRun("torchtitan-70b-fsdp32-tp8", PRESETS["llama3.1-70b"], 32, 8192, f"tp=8,pp=1,dp=32,mb=16,sp=on,{_TT}",
+              71.9, 829),
 )
 
 

@@ -112,7 +112,7 @@ def test_each_technique_moves_time_and_memory_the_right_way():
 
 
 def test_context_parallelism_splits_long_sequences():
-    model = PRESETS["llama3-8b"]
+    model = PRESETS["llama3.1-8b"]
     cluster = Cluster(1, 8, get_device("h100-80gb"))
     job = TrainingJob(model, 16, 32768)
     one, two = (price_layout(job, cluster, Layout(tp=4, pp=1, dp=2 // cp, cp=cp, mb=1, sp=True)) for cp in (1, 2))

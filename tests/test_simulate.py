@@ -30,6 +30,9 @@ def test_preset_sizes_match_published_counts():
     assert PRESETS["llama2-13b"].num_params() == pytest.approx(13.0e9, rel=0.01)
     assert PRESETS["llama2-70b"].num_params() == pytest.approx(69.0e9, rel=0.01)
     assert PRESETS["gpt3-175b"].num_params() == pytest.approx(175e9, rel=0.01)
+    assert PRESETS["llama3.1-8b"].num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert PRESETS["llama3.1-70b"].num_params() == pytest.approx(70.6e9, rel=0.01)
+    assert PRESETS["llama3.1-405b"].num_params() == pytest.approx(405.9e9, rel=0.01)
 
 
 def test_hugging_face_config(tmp_path):
@@ -162,3 +165,20 @@ def test_any_global_batch_plans_with_idle_devices_reported():
     assert any("stay idle" in note for note in data["notes"])
     used = sum(len(s["devices"]) for s in data["stages"])
     assert used < 200 and f"{200 - used} of 200 devices stay idle" in " ".join(data["notes"])
+
+
+def test_menu_from_one_enumeration_equals_separate_solves():
+    """solve_intra_prices re-prices one enumeration: the plans equal separate solve_intra calls."""
+    from meshplan.simulator.pricing import MEMORY_PRICES, piece_graphs, profile_menu, profile_piece
+
+    cluster = Cluster(2, 4, get_device("a100-40gb"))
+    mesh = cluster.logical_views((2, 4))[1]
+    blocks, embed, _ = piece_graphs(SMALL, 4, 256, TrainingJob(SMALL, 16, 256).dtype, "adam")
+    for piece in (blocks[False], embed):
+        menu = profile_menu(piece, mesh, 1e14, 4, MEMORY_PRICES)
+        separate = [profile_piece(piece, mesh, 1e14, 4, memory_price=f * max(mesh.beta))[0] for f in MEMORY_PRICES]
+        kept = [separate[0]]
+        for cost in separate[1:]:
+            if cost.static_bytes < kept[-1].static_bytes * 0.999:
+                kept.append(cost)
+        assert menu == tuple(kept) and len(menu) >= 2

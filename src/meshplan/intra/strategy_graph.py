@@ -131,14 +131,19 @@ class StrategyGraph:
 
 
 def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
-                         nodes: tuple[NodeStrategies, ...]) -> StrategyGraph:
-    """Merge followers into leaders and collect the costs the ILP needs."""
+                         nodes: tuple[NodeStrategies, ...], reshard_cache: dict | None = None) -> StrategyGraph:
+    """Merge followers into leaders and collect the costs the ILP needs.
+
+    `reshard_cache`: the resharding costs of another StrategyGraph of the same graph and mesh
+    under a model with the same collectives (shared, so they are priced once)."""
     leader: list[int] = []
     for ns in nodes:
         node = graph[ns.node]
         leader.append(ns.node if ns.follows is None else leader[node.operands[ns.follows]])
     groups = tuple(dict.fromkeys(leader))
     sg = StrategyGraph(graph, mesh, model, nodes, tuple(leader), groups)
+    if reshard_cache is not None:
+        sg._reshard_cache = reshard_cache
     for g in groups:
         n = sg.size(g)
         sg.compute[g], sg.communication[g], sg.resharding[g] = np.zeros(n), np.zeros(n), np.zeros(n)

@@ -158,10 +158,10 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in (
     _llama("llama2-7b", 4096, 32, 32, 11008),
     _llama("llama2-13b", 5120, 40, 40, 13824),
     _llama("llama2-70b", 8192, 64, 80, 28672, kv_heads=8),
-    # Llama 3.1 (Meta's config.json files: 128,256-token vocabulary, grouped-query attention).
-    _llama("llama3-8b", 4096, 32, 32, 14336, kv_heads=8, vocab=128256, seq=8192),
-    _llama("llama3-70b", 8192, 64, 80, 28672, kv_heads=8, vocab=128256, seq=8192),
-    _llama("llama3-405b", 16384, 128, 126, 53248, kv_heads=8, vocab=128256, seq=8192),
+    # Llama 3.1 (Meta's model cards): grouped-query attention with 8 KV heads, 128,256-token vocabulary.
+    _llama("llama3.1-8b", 4096, 32, 32, 14336, kv_heads=8, vocab=128256, seq=131072),
+    _llama("llama3.1-70b", 8192, 64, 80, 28672, kv_heads=8, vocab=128256, seq=131072),
+    _llama("llama3.1-405b", 16384, 128, 126, 53248, kv_heads=8, vocab=128256, seq=131072),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 8 SwiGLU experts per block, top-2.
     TransformerConfig("mixtral-8x7b", "moe", 4096, 32, 32, 14336, 32000, kv_heads=8, experts=8, top_k=2,
                       moe_every=1, max_seq_len=32768),

@@ -53,7 +53,8 @@ class PlannerOptions:
         microbatch_sizes: sequences per micro-batch to try; empty = chosen from the batch.
         max_microbatch_sizes: how many to try when chosen automatically.
         workers: processes pricing candidates in parallel (1 = in this process).
-        relative_bucket: t_max values of the DP closer than this ratio are merged.
+        relative_bucket: t_max values of the DP closer than this ratio are merged (0: exact; the
+            stage DP's branch and bound makes exact cheap).
         time_limit: seconds per ILP.
         reduce_scatter: contractions may reduce-scatter their partial sums (IntraOptions); the
             data-parallel and ZeRO-2 baselines never do (they all-reduce by definition). On by
@@ -67,7 +68,7 @@ class PlannerOptions:
     microbatch_sizes: tuple[int, ...] = ()
     max_microbatch_sizes: int = 3
     workers: int = 2
-    relative_bucket: float = 0.01
+    relative_bucket: float = 0.0
     time_limit: float = 30.0
     reduce_scatter: bool = True
 

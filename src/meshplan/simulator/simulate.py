@@ -1,8 +1,8 @@
 """Simulate training a model on a cluster: the auto plan, its prediction, and the baselines.
 
-Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with the
-baselines' predictions and the planner's seconds per phase inside it, so one file tells the
-whole story), and each baseline's own `Plan`.
+Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with each
+stage's piece plans, the baselines' predictions and the planner's seconds per phase inside it,
+so one file tells the whole story), and each baseline's own `Plan`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,24 @@ import time
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.distributed import TaskRunner
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
 from meshplan.simulator.analytic import LayoutPrediction, LayoutSearch, search_layouts
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.planner import PipelinePlan, PlannerStats, Progress, plan_training, planned_microbatch_sizes
+from meshplan.simulator.planner import (
+    PipelinePlan,
+    PlannerStats,
+    Progress,
+    capacity,
+    default_runner,
+    plan_training,
+    planned_microbatch_sizes,
+)
+from meshplan.simulator.pricing import task_name
+from meshplan.simulator.stage_plans import with_stage_plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,22 +130,30 @@ def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> 
 
 
 def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
-             progress: Progress | None = None, baselines: bool = True) -> Simulation:
+             progress: Progress | None = None, baselines: bool = True, runner: TaskRunner | None = None) -> Simulation:
     """Plan `job` on `cluster` and price the baselines; raises InfeasiblePlanError when no
     plan fits.
 
     The auto plan comes from the intra-op ILP and the stage DP over every device. When they
     find none (a global batch that does not split over the stages' nodes, or memory), the
     fastest Megatron-style layout that fits is the plan, idle devices reported; only when no
-    layout fits either is the error raised, naming the memory the leanest one needs."""
+    layout fits either is the error raised, naming the memory the leanest one needs. `runner`
+    runs the pricing tasks (default: a process pool of `options.workers`); a task that fails
+    every attempt is named in the plan's notes and its view left out."""
     options = options or PlannerOptions()
+    with default_runner(runner, options) as tasks_runner:
+        return _simulate(job, cluster, options, progress, baselines, tasks_runner)
+
+
+def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
+              baselines: bool, runner: TaskRunner) -> Simulation:
     stats = PlannerStats()
     priced: dict = {}
     start = time.perf_counter()
     search = search_layouts(job, cluster, memory_fraction=options.memory_fraction)
     stats.timed("layout search", start)
     try:
-        best = plan_training(job, cluster, options, progress, stats, priced)
+        best = plan_training(job, cluster, options, progress, stats, priced, runner)
     except InfeasiblePlanError:
         if search.best is None:
             raise InfeasiblePlanError(no_fit_message(job, cluster, search),
@@ -150,8 +169,8 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
     if baselines:
         start = time.perf_counter()
         sizes = planned_microbatch_sizes(job, cluster, options)
-        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress))
-        found.extend(evaluate_data_parallel(job, cluster, options, priced))
+        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
+        found.extend(evaluate_data_parallel(job, cluster, options, priced, runner))
         stats.timed("baselines", start)
     results = tuple(BaselineResult(b.name, b.config, to_plan(b.plan, job, cluster) if b.plan else None, b.reason)
                     for b in found)
@@ -163,13 +182,17 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
         auto = replace(to_plan(replace(grid.plan, label="auto"), job, cluster),
                        notes=(f"taken from the Megatron grid ({grid.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
+    start = time.perf_counter()
+    auto = with_stage_plans(auto, job, cluster, options)
+    stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
     if search.best is not None:  # priced in closed form (meshplan.simulator.analytic), not by the ILP
         summaries += (BaselineSummary("layout-search", f"closed form: {search.best.layout.text()}",
                                       layout_plan(search.best, job, cluster, "layout-search").prediction),)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
-    failed = tuple(f"pricing {r.key.kind} micro-batch {r.key.microbatch_size} on sub-mesh "
-                   f"{'x'.join(map(str, r.key.submesh))} view {r.key.view_index} failed ({r.error}); not a candidate"
+    failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
-    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed), results)
+    budget = (("memory_budget_bytes", repr(capacity(cluster, options))),)
+    return Simulation(replace(auto, baselines=summaries, metrics=auto.metrics + metrics, notes=auto.notes + failed,
+                              options=auto.options + budget), results)
