@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.table import Table
 
 from meshplan.intra.plan import ChosenStrategy, IntraPlan
 from meshplan.plan import Plan, Stage
@@ -134,7 +135,7 @@ def header_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def stages_table(plan: Plan) -> object:
+def stages_table(plan: Plan) -> Table:
     budget = memory_budget(plan)
     t = table("stages", ["stage", "layers", "sub-\nmesh", "logical\nmesh", "batch\naxis", "recompute", "plan",
                          "ms per\nu-batch", "GB per\ndevice", "% of\nbudget"],
@@ -174,7 +175,7 @@ def prediction_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def time_table(plan: Plan) -> object:
+def time_table(plan: Plan) -> Table:
     t = table("where an iteration's time goes, per stage",
               ["stage", "compute", "communi-\ncation", "hand-off", "bubble", "gradient\nsync", "optimizer"],
               numeric=("compute", "communi-\ncation", "hand-off", "bubble", "gradient\nsync", "optimizer"))
@@ -188,7 +189,7 @@ def _secs(value: float | None) -> str:
     return "-" if value is None else seconds_text(0.0 if abs(value) < 1e-12 else value)
 
 
-def communication_table(plan: Plan) -> object:
+def communication_table(plan: Plan) -> Table:
     unit = "cost" if plan.source == "intra" else "time"
     t = table("communication per iteration (per device)", ["stage", "collective", "mesh\naxis", "when", "count",
                                                              "bytes", unit],
@@ -217,7 +218,7 @@ def parameter_rows(intra: IntraPlan) -> Iterator[tuple[ParameterLayout, str]]:
             yield p, "/".join(sorted(states.get(p.name, ())))
 
 
-def parameters_table(plan: Plan) -> object:
+def parameters_table(plan: Plan) -> Table:
     t = table("parameters: layout (R whole, Sk split over mesh axis k) and what it means",
               ["layers", "parameter", "shape", "layout", "optim.\nstate", "classification"])
     for found in distinct_plans(plan):
@@ -230,7 +231,7 @@ def parameters_table(plan: Plan) -> object:
     return t
 
 
-def operators_table(plan: Plan, ops: OpFilter) -> object:
+def operators_table(plan: Plan, ops: OpFilter) -> Table:
     t = table("operator strategies", ["stage", "layer", "operator", "op", "strategy", "collectives"])
     for k, stage in enumerate(plan.stages):
         for _, first, last, intra in _pieces(stage):
@@ -242,7 +243,7 @@ def operators_table(plan: Plan, ops: OpFilter) -> object:
     return t
 
 
-def baselines_table(plan: Plan) -> object:
+def baselines_table(plan: Plan) -> Table:
     t = table("baselines under the same cost model", ["plan", "configuration", "s per\niteration", "tokens/s",
                                                       "MFU", "auto is\nfaster by"],
               numeric=("s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"))
