@@ -209,6 +209,15 @@ def test_megatron_mlp_is_column_then_row_tensor_parallel(shape):
     assert stage_parallelism(plan).tensor_axes == (axis,) and stage_parallelism(plan).data_axes == ()
 
 
+def test_mixed_2d_plan_is_data_plus_tensor_parallel():
+    """Alpa's 2-layer MLP on a (4, 8) mesh with a slow axis 0: batch over axis 0, Megatron on axis 1."""
+    plan = solve_intra(mlp_2_layer(1024, 128), LogicalMesh((4, 8), (1, 1), (1, 0.01)), IntraOptions.alpa_unit())
+    layouts = {p.name: p.classification for p in parameter_layouts(plan)}
+    assert layouts["w1"] == "tensor parallel column on axis 1, data parallel on axis 0"
+    assert layouts["w2"] == "tensor parallel row on axis 1, data parallel on axis 0"
+    assert stage_parallelism(plan).summary == "data parallel on axis 0, tensor parallel on axis 1"
+
+
 @pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
 def test_data_parallel_mlp_is_data_parallel(shape):
     plan = solve_intra(mlp_2_layer(1024, 128), LogicalMesh(shape, (1, 1), (1, 1)), IntraOptions.alpa_unit())
