@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
@@ -17,7 +18,7 @@ from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
 from meshplan.ir.graph import Graph, check_graph
-from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
+from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies, reprice_parameters
 from meshplan.sharding.spec import ShardingSpec
 
 
@@ -45,6 +46,27 @@ def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> 
     return build_strategy_graph(graph, mesh, options.cost, nodes), unsupported
 
 
+def solve_intra_prices(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
+                       memory_prices: tuple[float, ...]) -> list[IntraPlan]:
+    """`solve_intra` once per memory price (`CostModel.memory_price`), the other options fixed:
+    the strategies are enumerated and the resharding costs priced once, then re-priced (the
+    plans are the same as separate `solve_intra` calls)."""
+    plans: list[IntraPlan] = []
+    first: StrategyGraph | None = None
+    unsupported: tuple[str, ...] = ()
+    for price in memory_prices:
+        priced = replace(options, cost=replace(options.cost, memory_price=price))
+        start = time.perf_counter()
+        if first is None:
+            sg, unsupported = build_strategies(graph, mesh, priced)
+            first = sg
+        else:
+            nodes = reprice_parameters(graph, mesh, priced.cost, priced.rules, first.nodes)
+            sg = build_strategy_graph(graph, mesh, priced.cost, nodes, first._reshard_cache)
+        plans.append(_solve_strategy_graph(sg, graph, mesh, priced, start, unsupported))
+    return plans
+
+
 def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None) -> IntraPlan:
     """Choose one sharding strategy per node minimizing compute + communication + resharding.
 
@@ -63,6 +85,11 @@ def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = 
     options = options or IntraOptions()
     start = time.perf_counter()
     sg, unsupported = build_strategies(graph, mesh, options)
+    return _solve_strategy_graph(sg, graph, mesh, options, start, unsupported)
+
+
+def _solve_strategy_graph(sg: StrategyGraph, graph: Graph, mesh: LogicalMesh, options: IntraOptions, start: float,
+                          unsupported: tuple[str, ...]) -> IntraPlan:
     budget = budget_of(mesh, options)
     gp = graph_problem(sg, budget, shared_groups(sg) if options.share_layers else None)
     build_s = time.perf_counter() - start

@@ -6,7 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 
 from meshplan.plan import Plan
-from meshplan.report.text import baselines_table, header_lines, prediction_lines, stages_table
+from meshplan.report.tables import gb, table
+from meshplan.report.text import baselines_table, header_lines, prediction_lines, stages_table, time_range
 
 
 def print_simulation(plan: Plan, console: Console | None = None) -> None:
@@ -27,3 +28,32 @@ def print_simulation(plan: Plan, console: Console | None = None) -> None:
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
     console.print("details: meshplan report PLAN.json (write the plan with --out)", highlight=False)
+
+
+def print_layout(plan: Plan, console: Console | None = None) -> None:
+    """A priced layout: its time with the range, the time and memory breakdowns, and how it
+    compares with the fastest layout found."""
+    console = console or Console()
+    p = plan.prediction
+    for line in header_lines(plan):
+        console.print(line, highlight=False)
+    console.print(f"layout          {plan.option('layout')}", highlight=False)
+    console.print(f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)}", highlight=False)
+    console.print(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+                  f"MFU {p.mfu:.1%}", highlight=False)
+    times = table("time per iteration (critical stage)", ["part", "seconds"], numeric=("seconds",))
+    for name, seconds in plan.metrics_under("time.").items():
+        times.add_row(name, f"{seconds:.3f}")
+    console.print(times)
+    memory = table("peak memory per device (most loaded stage)", ["part", "GB"], numeric=("GB",))
+    for name, nbytes in plan.metrics_under("memory.").items():
+        memory.add_row(name, gb(nbytes))
+    memory.add_row("total", gb(p.peak_memory_bytes))
+    console.print(memory)
+    for b in plan.baselines:
+        if b.prediction is not None:
+            console.print(f"{b.name}: {b.config}: {b.prediction.iteration_time_s:.4g} s, MFU {b.prediction.mfu:.1%} "
+                          f"(this layout takes {p.iteration_time_s / b.prediction.iteration_time_s:.2f}x as long)",
+                          highlight=False)
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False)

@@ -165,14 +165,25 @@ def prediction_lines(plan: Plan) -> list[str]:
     p = plan.prediction
     if p is None:
         return ["no prediction in this plan"]
-    lines = [f"iteration time  {p.iteration_time_s:.4g} s (pipeline {p.pipeline_time_s:.4g} s + gradient sync "
-             f"and optimizer {p.sync_time_s:.4g} s)"]
+    lines = [f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)} (pipeline {p.pipeline_time_s:.4g} s "
+             f"+ gradient sync and optimizer {p.sync_time_s:.4g} s)"]
     if p.tokens_per_s is not None:
         lines.append(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per "
                      f"device, MFU {p.mfu:.1%}")
     if p.peak_memory_bytes is not None:
         lines.append(f"peak memory     {gb(p.peak_memory_bytes)} GB per device")
+    parts = plan.metrics_under("memory.")
+    if parts:
+        lines.append("                " + ", ".join(f"{name} {gb(v)} GB" for name, v in parts.items()))
     return lines
+
+
+def time_range(plan: Plan) -> str:
+    """" (low-high s)": the prediction's range from the calibration's spread, when the plan has one."""
+    metrics = dict(plan.metrics)
+    if "time_range.low_s" not in metrics:
+        return ""
+    return f" ({metrics['time_range.low_s']:.4g}-{metrics['time_range.high_s']:.4g} s)"
 
 
 def time_table(plan: Plan) -> Table:
@@ -244,8 +255,8 @@ def operators_table(plan: Plan, ops: OpFilter) -> Table:
 
 
 def baselines_table(plan: Plan) -> Table:
-    t = table("baselines under the same cost model", ["plan", "configuration", "s per\niteration", "tokens/s",
-                                                      "MFU", "auto is\nfaster by"],
+    t = table("baselines under the same cost model (layout-search: the closed-form model)",
+              ["plan", "configuration", "s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"],
               numeric=("s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"))
     auto = plan.prediction
     t.add_row("auto", f"{plan.num_stages} stages, micro-batch {plan.microbatch_size}",

@@ -69,7 +69,8 @@ def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options
         key = (name, stage.submesh, mesh.shape, menu)
         if key not in solved:
             entries = menu_plans(graph, mesh, cluster.device.peak_flops * options.efficiency, plan.num_microbatches,
-                                 LEAN_PRICES, batch_axis(mesh), options.reduce_scatter)
+                                 LEAN_PRICES, batch_axis(mesh), options.reduce_scatter,
+                                 cluster.device.peak_flops if options.gemm_curve else None)
             intra = entries[min(menu, len(entries) - 1)][1]
             solved[key] = (intra, piece_times(graph, intra))
         intra, times = solved[key]
