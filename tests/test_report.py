@@ -8,6 +8,7 @@ Zero3Parallel, PipeshardParallel on 8 CPU devices).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from meshplan import IntraOptions, LogicalMesh, solve_intra
 from meshplan.cluster import Cluster
 from meshplan.cluster.devices import get_device
 from meshplan.files import write_json_atomic, write_text_atomic
+from meshplan.inter.schedules import pipeline_latency, timeline
 from meshplan.models.transformer import PRESETS
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
 from meshplan.plan import SCHEMA_VERSION, Plan, single_stage_plan
@@ -340,10 +342,38 @@ def test_chrome_trace_of_the_default_plan(default_plan, tmp_path):
     assert {e["tid"] for e in steps} == set(range(plan.num_stages))
     assert len(steps) == 2 * plan.num_stages * plan.num_microbatches
     span = (max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)) / 1e6
-    assert span == pytest.approx(plan.prediction.pipeline_time_s, rel=1e-9)
+    # The plan's own schedule, replayed here from its stages' forward and backward seconds.
+    replay = timeline(plan.schedule, [s.forward_s for s in plan.stages],
+                      [s.latency_s - s.forward_s for s in plan.stages], plan.num_microbatches)
+    assert span == pytest.approx(max(t.end for t in replay), rel=1e-9)
+    assert span == pytest.approx(trace["otherData"]["replayed_pipeline_time_s"], rel=1e-9)
+    predicted = plan.prediction.pipeline_time_s
+    assert trace["otherData"]["pipeline_time_s"] == predicted
+    # 1F1B with unequal stages: the DP's closed form is an upper bound the replay meets or beats.
+    assert predicted * 0.98 <= span <= predicted * (1 + 1e-9)
+    if span < predicted * (1 - 1e-9):
+        assert "less than predicted" in meshplan("report", str(default_plan)).stdout.replace("\n", " ")
     everything = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in everything) / 1e6 == pytest.approx(plan.prediction.iteration_time_s,
                                                                                rel=1e-9)
+
+
+def test_chrome_trace_span_is_the_predicted_time_where_the_closed_form_is_exact(default_plan):
+    """GPipe (and any schedule with equal stages) replays to exactly the DP's closed form."""
+    plan = load_plan(default_plan)
+    gpipe = dataclasses.replace(plan, schedule="gpipe",
+                                stages=tuple(dataclasses.replace(s, forward_s=None) for s in plan.stages))
+    assert pipeline_latency([s.latency_s for s in plan.stages], plan.num_microbatches) == pytest.approx(
+        plan.prediction.pipeline_time_s, rel=1e-12)
+    steps = [e for e in chrome_trace(gpipe)["traceEvents"] if e.get("cat") in ("forward", "backward")]
+    span = (max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)) / 1e6
+    assert span == pytest.approx(plan.prediction.pipeline_time_s, rel=1e-9)
+    same = plan.stages[0].latency_s
+    equal = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, latency_s=same, forward_s=None)
+                                                   for s in plan.stages))
+    predicted = pipeline_latency([s.latency_s for s in equal.stages], plan.num_microbatches)
+    assert max(s.end for s in iteration_spans(equal) if s.category == "backward") == pytest.approx(predicted,
+                                                                                                   rel=1e-9)
 
 
 def test_chrome_trace_of_a_pipeshard_dump(runtime_dumps):
