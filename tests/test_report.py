@@ -518,6 +518,13 @@ def test_diff_lists_the_largest_differences_first(default_plan, small_plan, tmp_
     assert same.returncode == 0 and "identically" in same.stdout and a.model in same.stdout
 
 
+def test_diff_with_a_plan_without_layouts_says_so_once(small_plan):
+    plan = load_plan(small_plan)
+    bare = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, pieces=()) for s in plan.stages))
+    changes = diff_plans(plan, bare)
+    assert [(c.what, c.before, c.after) for c in changes] == [("parameter layouts", "recorded", "not recorded")]
+
+
 def test_diff_of_two_models_is_refused(default_plan, small_plan):
     assert_user_error(meshplan("diff", str(default_plan), str(small_plan)), "llama2-13b", "same model")
 
