@@ -16,7 +16,8 @@ round:
 4. repairs that assignment into a feasible one (raising the prices of the rows still over
    capacity until moves bring them within) and improves it by feasible moves.
 
-The search keeps the best feasible assignment and the best bound seen.
+The search keeps the best feasible assignment and the best bound seen; its last few percent
+of time go to sweeps at the prices of that bound, which only raise it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from meshplan.intra.problem import StrategyProblem
 log = logging.getLogger(__name__)
 DUAL_SWEEPS = 4  # star-update sweeps per round (warm: the prices move little between rounds)
 POLISH_PASSES = 4  # forest passes per priced plan
+TIGHTEN_SHARE = 0.08  # of the pricing time, at the end: sweeps at the best bound's prices
 FORESTS = 12  # random induced forests drawn once and reused (drawing one is Python-bound)
 
 
@@ -74,12 +76,16 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
     rounds = improvements = 0
     forests = [random_forest(ix, rng) for _ in range(FORESTS)]
     alpha, stale = 1.0, 0
-    while time.perf_counter() < deadline:
+    bound_prices = lam
+    search_until = deadline - TIGHTEN_SHARE * (deadline - time.perf_counter())
+    while time.perf_counter() < search_until:
         rounds += 1
         priced = unary + terms.prices(lam)
         for _ in range(DUAL_SWEEPS):
             dual.sweep(priced)
-        bound = max(bound, dual.bound(priced) - float(lam @ capacity))
+        proven = dual.bound(priced) - float(lam @ capacity)
+        if proven > bound:
+            bound, bound_prices = proven, lam
         x = _priced_plan(ix, priced, x, segment_argmin(ix, dual.beliefs(priced)), forests, rng)
         excess = terms.loads(x) - capacity
         direction = np.where((lam > 0) | (excess > 0), excess, 0.0)
@@ -104,7 +110,19 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
                   bound, value, problem.cost_of(x), int((excess > 0).sum()), best_cost, alpha)
         if best_cost - bound <= 1e-9 * max(abs(best_cost), 1.0):
             break
+    bound = max(bound, _tighten(dual, unary + terms.prices(bound_prices), float(bound_prices @ capacity), deadline))
     return PricingResult(best, float(best_cost), float(bound), rounds, improvements, lam)
+
+
+def _tighten(dual: EdgeDual, priced: np.ndarray, constant: float, deadline: float) -> float:
+    """Star-update sweeps at fixed prices until `deadline` (the bound only rises); the bound."""
+    best = -np.inf
+    while True:
+        best = max(best, dual.bound(priced) - constant)
+        if time.perf_counter() >= deadline:
+            return best
+        for _ in range(4):
+            dual.sweep(priced)
 
 
 def _priced_plan(ix: PairwiseIndex, priced: np.ndarray, warm: np.ndarray, decoded: np.ndarray,
