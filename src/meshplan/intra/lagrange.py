@@ -45,6 +45,7 @@ from meshplan.intra.problem import StrategyProblem
 log = logging.getLogger(__name__)
 DUAL_SWEEPS = 4  # star-update sweeps per round (warm: the prices move little between rounds)
 POLISH_PASSES = 4  # forest passes per priced plan
+DUAL_MAX_ENTRIES = 20_000_000  # edge-matrix entries
 TIGHTEN_SHARE = 0.08  # of the pricing time, at the end: sweeps at the best bound's prices
 FORESTS = 12  # random induced forests drawn once and reused (drawing one is Python-bound)
 
@@ -67,7 +68,9 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
     (perf_counter seconds)."""
     unary = problem.costs.values
     capacity = terms.rows.capacity
-    dual = EdgeDual(ix)
+    # the dual's gathers hold ~3 indices per entry of every edge matrix, twice: skip it (no
+    # bound, warm plans only) on problems whose matrices would not fit comfortably in memory
+    dual = EdgeDual(ix) if len(ix.forward) <= DUAL_MAX_ENTRIES else None
     lam = np.zeros(len(capacity))
     best = start.copy() if start_fits else None
     best_cost = problem.cost_of(start) if start_fits else np.inf
@@ -81,12 +84,15 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
     while time.perf_counter() < search_until:
         rounds += 1
         priced = unary + terms.prices(lam)
-        for _ in range(DUAL_SWEEPS):
-            dual.sweep(priced)
-        proven = dual.bound(priced) - float(lam @ capacity)
-        if proven > bound:
-            bound, bound_prices = proven, lam
-        x = _priced_plan(ix, priced, x, segment_argmin(ix, dual.beliefs(priced)), forests, rng)
+        decoded = None
+        if dual is not None:
+            for _ in range(DUAL_SWEEPS):
+                dual.sweep(priced)
+            proven = dual.bound(priced) - float(lam @ capacity)
+            if proven > bound:
+                bound, bound_prices = proven, lam
+            decoded = segment_argmin(ix, dual.beliefs(priced))
+        x = _priced_plan(ix, priced, x, decoded, forests, rng)
         excess = terms.loads(x) - capacity
         direction = np.where((lam > 0) | (excess > 0), excess, 0.0)
         norm = float(direction @ direction)
@@ -110,7 +116,8 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
                   bound, value, problem.cost_of(x), int((excess > 0).sum()), best_cost, alpha)
         if best_cost - bound <= 1e-9 * max(abs(best_cost), 1.0):
             break
-    bound = max(bound, _tighten(dual, unary + terms.prices(bound_prices), float(bound_prices @ capacity), deadline))
+    if dual is not None:
+        bound = max(bound, _tighten(dual, unary + terms.prices(bound_prices), float(bound_prices @ capacity), deadline))
     return PricingResult(best, float(best_cost), float(bound), rounds, improvements, lam)
 
 
@@ -125,14 +132,14 @@ def _tighten(dual: EdgeDual, priced: np.ndarray, constant: float, deadline: floa
             dual.sweep(priced)
 
 
-def _priced_plan(ix: PairwiseIndex, priced: np.ndarray, warm: np.ndarray, decoded: np.ndarray,
+def _priced_plan(ix: PairwiseIndex, priced: np.ndarray, warm: np.ndarray, decoded: np.ndarray | None,
                  forests: list[Forest], rng: np.random.Generator) -> np.ndarray:
     """The better of two plans for the priced costs, each polished by forest passes: the last
     round's plan, and the dual's beliefs decoded. Local moves from a warm start stall far above
     the priced optimum (on S: 1.65e9 against a bound of 1.34e9); decoded beliefs, polished,
     come within a few percent of it."""
     plans = []
-    for plan in (warm.copy(), decoded):
+    for plan in (warm.copy(), decoded) if decoded is not None else (warm.copy(),):
         for _ in range(POLISH_PASSES):
             forest_dp(ix, priced, plan, forests[int(rng.integers(len(forests)))])
         icm_sweep(ix, priced, plan)

@@ -5,11 +5,13 @@ The one entry every intra-op problem goes through (model-built and captured grap
 
 1. exact presolve (`presolve`), which also spots forbidden structures that admit nothing;
 2. compact memory rows (`memory`);
-3. a feasible plan within seconds: least memory per node, then feasible single-node moves
-   (`local_search`);
+3. a feasible plan within seconds: least memory per node, then feasible moves of whole
+   colour classes (`local_search`);
 4. then, until the time limit: the whole MIP warm-started from that plan when it is small
-   enough to solve (this also proves a bound), else large-neighbourhood search whose windows
-   are exact sub-MIPs (`lns`).
+   enough to solve (this also proves a bound), else memory prices (`lagrange`: Lagrangian
+   relaxation of the memory rows, priced plans decoded from a message-passing dual, which
+   also proves a bound) and, on the best plan, large-neighbourhood search whose windows are
+   exact sub-MIPs (`lns`).
 
 The best feasible assignment found is returned with the best proven bound; a solution found
 is never reported as "no solution".
