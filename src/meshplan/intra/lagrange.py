@@ -114,19 +114,26 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
             alpha, stale = alpha * 0.7, 0
         log.debug("round %d: bound %.6g, value %.6g, priced plan %.6g over %d rows, best %.6g, step %.3g", rounds,
                   bound, value, problem.cost_of(x), int((excess > 0).sum()), best_cost, alpha)
-        if best_cost - bound <= 1e-9 * max(abs(best_cost), 1.0):
+        if _closed(best_cost, bound):
             break
-    if dual is not None:
-        bound = max(bound, _tighten(dual, unary + terms.prices(bound_prices), float(bound_prices @ capacity), deadline))
+    if dual is not None and not _closed(best_cost, bound):
+        priced = unary + terms.prices(bound_prices)
+        bound = max(bound, _tighten(dual, priced, float(bound_prices @ capacity), best_cost, deadline))
     return PricingResult(best, float(best_cost), float(bound), rounds, improvements, lam)
 
 
-def _tighten(dual: EdgeDual, priced: np.ndarray, constant: float, deadline: float) -> float:
-    """Star-update sweeps at fixed prices until `deadline` (the bound only rises); the bound."""
+def _closed(cost: float, bound: float) -> bool:
+    """The bound proves `cost` optimal (up to rounding)."""
+    return bool(np.isfinite(cost)) and cost - bound <= 1e-9 * max(abs(cost), 1.0)
+
+
+def _tighten(dual: EdgeDual, priced: np.ndarray, constant: float, cost: float, deadline: float) -> float:
+    """Star-update sweeps at fixed prices until `deadline` or until the bound proves `cost`
+    optimal (the bound only rises); the bound."""
     best = -np.inf
     while True:
         best = max(best, dual.bound(priced) - constant)
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() >= deadline or _closed(cost, best):
             return best
         for _ in range(4):
             dual.sweep(priced)

@@ -182,6 +182,8 @@ def _search_large(problem: StrategyProblem, pre: Presolved, index: tuple[Pairwis
                  priced_bound=priced.bound + pre.offset, priced_s=time.perf_counter() - start)
     if priced.choice is None:
         return _answer(problem, None, None, False, start, options, stats, bound=bound)
+    if priced.cost - priced.bound <= 1e-9 * max(abs(priced.cost), 1.0):  # the prices proved it optimal
+        return _answer(problem, pre, priced.choice, True, start, options, stats)
     inc = Incumbent(q, rows, priced.choice)
     lns = run_lns(inc, deadline - 0.03 * options.time_limit, rng)
     stats.update(lns_windows=lns.windows, lns_improved=lns.improved, lns_window=lns.final_window)
