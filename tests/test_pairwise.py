@@ -111,3 +111,21 @@ def test_memory_prices_bound_and_stay_feasible(seed):
     result = price_memory(p, ix, terms, start, True, time.perf_counter() + 0.3, rng)
     assert result.bound <= optimum + 1e-6
     assert p.is_feasible(result.choice) and result.cost == p.cost_of(result.choice) >= optimum
+
+
+def test_memory_prices_without_the_dual(monkeypatch):
+    """Above the size limit of the dual: still a feasible plan, no bound claimed."""
+    import time
+
+    import meshplan.intra.lagrange as lagrange
+
+    monkeypatch.setattr(lagrange, "DUAL_MAX_ENTRIES", 0)
+    rng = np.random.default_rng(3)
+    p = random_problem(rng, nodes=6, density=0.5, memory=True)
+    rows = memory_rows(p.memory.lo, p.memory.hi, (np.zeros(0, np.int64),) * 2 + (np.zeros(0),), p.usage_limit)
+    ix = pairwise_index(p)
+    terms = term_index(rows, p.memory.node, p.memory.usages, p.costs.ptr)
+    start = least_memory_choice(p, rows)
+    result = price_memory(p, ix, terms, start, True, time.perf_counter() + 0.2, rng)
+    assert result.bound == -np.inf
+    assert p.is_feasible(result.choice) and result.cost <= p.cost_of(start)
