@@ -279,6 +279,27 @@ def test_auto_stages_jax_grad_and_a_jitted_step():
     assert sum(len(s.devices) for s in stages) == 8
 
 
+def test_equinox_filter_value_and_grad_closing_over_the_batch():
+    """eqx.filter_value_and_grad calls jax.value_and_grad; the loss reads the batch from its closure."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(32, 8, 32, depth=3, activation=jax.nn.gelu, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    optimizer = optax.adamw(1e-3)
+
+    def step(params, opt_state, x, y):
+        @eqx.filter_value_and_grad
+        def loss(p):
+            return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+        value, grads = loss(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state, value
+
+    parallel = parallelize(step, method=PipeshardParallel(2, layers=2))
+    assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-4)
+
+
 # --- wrong configurations: one clear error each ----------------------------------------------------
 
 def sgd_step(params, x, y):

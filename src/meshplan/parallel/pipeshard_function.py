@@ -1,7 +1,9 @@
-"""PipeshardFunction: a loss function with pipeline boundaries run as a pipeline of sharded stages.
+"""PipeshardFunction: a train step, or a loss function with boundaries, run as a pipeline of sharded stages.
 
-On the first call with new argument shapes the function is cut at its `mark_pipeline_boundary`
-calls into layers (runtime.boundary.split_into_stages), the layers grouped into stages as the
+On the first call with new argument shapes the function is traced with its gradient marked. A
+train step (one that takes a gradient) has its loss cut into layers and its update placed per
+stage (meshplan.parallel.pipeshard_step); a loss function is cut at its `mark_pipeline_boundary`
+calls into layers (runtime.boundary.split_into_stages). Either way the layers are grouped into stages as the
 PipeshardParallel options say (meshplan.parallel.pipeshard, or the inter-op pass for "auto":
 meshplan.parallel.stage_pricing), each stage laid out on its sub-mesh (runtime.stage_layout:
 planned by the intra-op ILP, data parallel or replicated), and micro-batches run through
