@@ -11,6 +11,7 @@ Tolerances: SGD steps and losses rel. 1e-5, AdamW steps 1e-4 (the issue's bounds
 from __future__ import annotations
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import pytest
 from meshplan.errors import MeshError, MeshplanError, OptionsError
 from meshplan.inter import cluster_layers, layer_flops
 from meshplan.parallel import PipeshardParallel, parallelize
+from meshplan.report.pipeshard_text import pipeshard_text
 from meshplan.runtime import mark_pipeline_boundary
 from meshplan.runtime.gradient import gradient_calls, trace_with_gradients
 from meshplan.runtime.loss_layers import split_loss
@@ -182,7 +184,10 @@ def test_adamw_mlp_step_on_2_and_4_stages(layers):
     new_params, new_state = assert_same_training(parallel, step, (params, optimizer.init(params)),
                                                  regression_data(), tol=1e-4)
     plan = parallel.get_plan()
-    assert len(plan.stages) == layers and plan.option("stages") == "uniform"
+    assert len(plan.stages) == layers and plan.option("stages") == "uniform" and plan.option("layers") == "flops"
+    assert f"stage {layers - 1}" in pipeshard_text(plan)
+    flops = [value for name, value in plan.metrics if name.startswith("layer_flops.")]
+    assert len(flops) == layers and max(flops) <= 1.1 * -(-5 // layers) * (2 * 4 * 32 * 32 + 4 * 32 * 3)
     per = 8 // layers
     for layer in new_params["layers"] + [{"out": new_params["out"]}]:  # each weight updated on one stage's devices
         device_sets = {frozenset(leaf.sharding.device_set) for leaf in jax.tree_util.tree_leaves(layer)}
@@ -212,7 +217,7 @@ def tied_lm(vocab=64, dim=32, depth=3, seed=0):
     return params, loss
 
 
-def test_tied_embedding_gradients_are_summed_across_stages():
+def test_tied_embedding_gradients_are_summed_across_stages(tmp_path):
     """The embedding is read by the first and the last stage; clipping by the global norm needs
     every stage's gradients; the tokens are cut into inputs and targets before the gradient."""
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
@@ -238,6 +243,9 @@ def test_tied_embedding_gradients_are_summed_across_stages():
     emb = len(params["blocks"])  # flat position of params["emb"], after the blocks' weights
     assert compiled.owners[emb] == (0, 3)  # read by the first layer (lookup) and the last (logits)
     assert {p.stage for p in compiled.update.pieces} >= {0, 1, 2}
+    files = {path.name: path for path in parallel.dump_debug_info(tmp_path)}
+    placements = json.loads(files["placements.json"].read_text())
+    assert placements["weight_stages"][str(emb)] == [0, 3] and placements["update"][0]["ops"] > 0
 
 
 def test_marked_boundaries_in_a_whole_step():
@@ -253,6 +261,7 @@ def test_marked_boundaries_in_a_whole_step():
     parallel = parallelize(step, method=PipeshardParallel(2, stages=((0, 1, 2, 3), (4, 5), (6, 7))))
     assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-5)
     assert parallel._last.layers.marked and parallel._last.layers.num_layers == 3
+    assert parallel.get_plan().option("layers") == "marked"
     with pytest.raises(OptionsError, match="marks 3 layers"):
         parallelize(step, method=PipeshardParallel(2, layers=2))(params, optimizer.init(params), *regression_data())
 

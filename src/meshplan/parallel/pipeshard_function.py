@@ -14,7 +14,7 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -138,6 +138,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         stage its forward's input and output shardings and compile diagnostics; the last call's
         steps as "F0.1": phase, stage, micro-batch). A stage whose forward XLA had to fully
         rematerialize raises a RematerializationWarning."""
+        step = compiled if isinstance(compiled, _StepCompiled) else None
         compiled = _parts(compiled)
         files: dict[str, DebugFile] = {}
         placements = []
@@ -151,6 +152,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                                **diagnostics.to_dict()})
         files["plan.json"] = compiled.plan.to_dict()
         files["placements.json"] = {"stages": placements, "events": [e.label for e in self._events]}
+        if step is not None:  # a train step: where its update runs, and the stages reading each weight
+            files["placements.json"]["update"] = [{"stage": p.stage, "ops": len(p.eqns), "inputs": len(p.inputs),
+                                                   "outputs": len(p.outputs)} for p in step.update.pieces]
+            files["placements.json"]["weight_stages"] = {str(w): list(s) for w, s in step.owners.items()}
         return files
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled:
@@ -199,6 +204,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
         micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
         parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices)
+        plan = parts.plan
+        parts = replace(parts, plan=replace(
+            plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
+            metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
         stage_of_layer = {k: j for j, s in enumerate(parts.stages) for k in range(s.first, s.last + 1)}
         owners: dict[int, tuple[int, ...]] = {}
         for k, weights in enumerate(layers.weights):
