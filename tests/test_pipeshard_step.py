@@ -195,11 +195,13 @@ def test_adamw_mlp_step_on_2_and_4_stages(layers):
     assert len(parallel.last_events) == 2 * 4 * layers
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_sgd_mlp_step_at_1e_5(schedule):
+@pytest.mark.parametrize(("schedule", "stage_sharding"),
+                         [("gpipe", "auto"), ("1f1b", "auto"), ("1f1b", "data_parallel"), ("gpipe", "replicated")])
+def test_sgd_mlp_step_at_1e_5(schedule, stage_sharding):
     optimizer = optax.sgd(0.1)
     step, params = optax_step(mlp_loss, optimizer), mlp_params()
-    parallel = parallelize(step, method=PipeshardParallel(2, layers=4, schedule=schedule))
+    method = PipeshardParallel(2, layers=4, schedule=schedule, stage_sharding=stage_sharding)
+    parallel = parallelize(step, method=method)
     assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-5)
 
 

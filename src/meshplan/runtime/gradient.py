@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
@@ -135,7 +134,7 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
     leaves, tree = jax.tree_util.tree_flatten(args)
     closed = jax.make_jaxpr(lambda *flat: fun(*jax.tree_util.tree_unflatten(tree, flat)))(*leaves)
     out = closed.out_avals
-    if len(out) != 1 or out[0].shape != () or not np.issubdtype(out[0].dtype, np.floating):
+    if len(out) != 1 or out[0].shape != () or not jax.numpy.issubdtype(out[0].dtype, jax.numpy.floating):
         return original(fun, argnums)(*args)  # not a scalar float loss: JAX's own error message
     owners = [n for n, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
     consts = list(closed.consts)
