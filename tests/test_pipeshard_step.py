@@ -311,6 +311,38 @@ def test_equinox_filter_value_and_grad_closing_over_the_batch():
     assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-4)
 
 
+def test_aux_values_are_joined_or_averaged_over_micro_batches():
+    """has_aux: predictions (per example) are joined along the batch, a float metric is averaged."""
+    def loss_with_aux(params, x, y):
+        h = x
+        for layer in params["layers"]:
+            h = jnp.tanh(h @ layer["w"] + layer["b"])
+        pred = h @ params["out"]
+        return jnp.mean((pred - y) ** 2), {"pred": pred.T, "mae": jnp.mean(jnp.abs(pred - y))}
+
+    optimizer = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        (loss, aux), grads = jax.value_and_grad(loss_with_aux, has_aux=True)(params, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **aux}
+
+    def grad_step(params, x, y):  # jax.grad(has_aux=True) returns (grads, aux)
+        grads, aux = jax.grad(loss_with_aux, has_aux=True)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), aux["mae"]
+
+    params, (x, y) = mlp_params(), regression_data()
+    parallel = parallelize(step, method=PipeshardParallel(4, layers=2))
+    got = parallel(params, optimizer.init(params), x, y)
+    want = jax.jit(step)(params, optimizer.init(params), x, y)
+    assert got[2]["pred"].shape == (8, 16)  # (features, batch): joined along dim 1
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got = parallelize(grad_step, method=PipeshardParallel(2, layers=2))(params, x, y)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(grad_step(params, x, y)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # --- wrong configurations: one clear error each ----------------------------------------------------
 
 def sgd_step(params, x, y):
@@ -329,8 +361,8 @@ def test_wrong_configurations_give_clear_errors():
         (lambda p, x, y: jax.grad(mlp_loss)(jax.tree_util.tree_map(lambda a: 2 * a, p), x, y), PipeshardParallel(2),
          "differentiates with respect to a value it computes"),
         (lambda p, x, y: jax.jit(jax.grad(mlp_loss))(p, x, y), PipeshardParallel(2), "nested"),
-        (lambda p, x, y: jax.value_and_grad(lambda *a: (mlp_loss(*a), 0.0), has_aux=True)(p, x, y),
-         PipeshardParallel(2), "without has_aux"),
+        (lambda p, x, y: jax.value_and_grad(lambda *a: (mlp_loss(*a), jnp.sum(a[1] > 0)), has_aux=True)(p, x, y),
+         PipeshardParallel(2), "cannot rebuild from micro-batches"),
     ]
     for fn, method, message in cases:
         with pytest.raises(MeshplanError, match=message):

@@ -72,6 +72,7 @@ class _StepCompiled:
     batch: dict[int, int]  # flat step input -> its batch dim
     owners: dict[int, tuple[int, ...]]  # differentiated step input -> the stages whose layers read it
     update: UpdateRunner
+    aux_rules: tuple[int | None, ...]  # per aux value: the dim its micro-batches are joined along; None: mean
 
 
 class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
@@ -170,9 +171,9 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
             return self._build_step(args, step, devices)
         if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
             raise OptionsError(
-                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call without has_aux while "
-                f"tracing) and is not a loss function called as f(params, x, targets) with one params entry per "
-                f"layer; PipeshardParallel pipelines a whole train step that takes its gradient with "
+                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call while tracing) and "
+                f"is not a loss function called as f(params, x, targets) with one params entry per layer; "
+                f"PipeshardParallel pipelines a whole train step that takes its gradient with "
                 f"jax.grad/jax.value_and_grad (e.g. `loss, grads = jax.value_and_grad(loss_fn)(params, batch)`), "
                 f"or such a loss function")
         if self.method.layers != "auto":
@@ -203,7 +204,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         layers = split_loss(loss.closed, loss.weights, count)
         layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
         micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
-        parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices)
+        aux_rules = _aux_rules(step, micro, method.num_micro_batches, name)
+        parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices, has_aux=bool(aux_rules))
         plan = parts.plan
         parts = replace(parts, plan=replace(
             plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
@@ -217,11 +219,12 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         jaxpr = step.closed.jaxpr
         gradient = jaxpr.eqns[step.gradient.index]
         home = lambda leaf: min(owners.get(leaf, (0,)))
-        homes = {gradient.outvars[0]: len(parts.stages) - 1}
-        homes.update((gradient.outvars[1 + j], home(leaf)) for j, leaf in enumerate(step.differentiated))
+        num_aux = len(aux_rules)
+        homes = {v: len(parts.stages) - 1 for v in gradient.outvars[:1 + num_aux]}  # the loss and its aux values
+        homes.update((gradient.outvars[1 + num_aux + j], home(leaf)) for j, leaf in enumerate(step.differentiated))
         homes.update((jaxpr.invars[leaf], home(leaf)) for leaf in step.differentiated)
         update = UpdateRunner(step, update_pieces(step, homes), parts.pipeline.stage_meshes)
-        return _StepCompiled(parts, step, loss, layers, batch, owners, update)
+        return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
 
     def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
         """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
@@ -258,15 +261,19 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         gradient = jaxpr.eqns[compiled.step.gradient.index]
         env = dict(zip(jaxpr.invars, leaves, strict=True))
         env[gradient.outvars[0]] = result.loss
+        num_aux = len(compiled.aux_rules)
+        for j, dim in enumerate(compiled.aux_rules):
+            env[gradient.outvars[1 + j]] = _joined([aux[j] for aux in result.aux], dim)
         for j, leaf in enumerate(compiled.step.differentiated):
             got = contributions.get(leaf)
-            env[gradient.outvars[1 + j]] = summed(got) if got else on_mesh(
+            env[gradient.outvars[1 + num_aux + j]] = summed(got) if got else on_mesh(
                 jnp.zeros(np.shape(leaves[leaf]), leaves[leaf].dtype), parts.pipeline.stage_meshes[0])
         return compiled.update(env)
 
     def _pipelined(self, layer_fns: Sequence[Callable[..., Any]], layer_params: list[Any], micro_x: Any,
-                   micro_t: Any, devices: list[Any]) -> _Compiled:
-        """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs)."""
+                   micro_t: Any, devices: list[Any], has_aux: bool = False) -> _Compiled:
+        """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs);
+        with `has_aux` the last layer returns `(loss, aux)`."""
         method, params = self.method, layer_params
         search = None
         if method.stages == "auto":
@@ -283,7 +290,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         stage_params = [tuple(params[s.first:s.last + 1]) for s in stages]
         acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
         layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
-        pipeline = Pipeline(stage_fns, meshes, layouts=layouts)
+        pipeline = Pipeline(stage_fns, meshes, layouts=layouts, last_has_aux=has_aux)
         return _Compiled(pipeline, stages, self._plan_record(stages, layouts, search), search,
                          _stage_examples(pipeline, stage_params, acts, targets_shapes))
 
@@ -321,6 +328,37 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
+
+
+def _aux_rules(full: TracedStep, micro: TracedStep, count: int, name: str) -> tuple[int | None, ...]:
+    """How each aux value of the loss is rebuilt from its micro-batches: joined along the dim
+    that is `count` times longer at full-batch shapes, or, for a float value of the same shape
+    (a mean, an accuracy), averaged like the loss."""
+    rules = []
+    for j, (whole, part) in enumerate(zip(full.gradient.loss.out_avals[1:], micro.gradient.loss.out_avals[1:],
+                                          strict=True)):
+        grown = [d for d, (a, b) in enumerate(zip(whole.shape, part.shape, strict=True)) if a != b]
+        if len(grown) == 1 and whole.shape[grown[0]] == count * part.shape[grown[0]]:
+            rules.append(grown[0])
+        elif not grown and jnp.issubdtype(whole.dtype, jnp.inexact):
+            rules.append(None)
+        else:
+            raise OptionsError(
+                f"{name}'s loss returns aux value {j} ({whole.str_short()}; {part.str_short()} per micro-batch), "
+                f"which meshplan cannot rebuild from micro-batches: it joins values that carry the batch along "
+                f"one dim and averages float values that do not (as it averages the loss); return e.g. a float "
+                f"mean instead of an integer count")
+    return tuple(rules)
+
+
+@jax.jit
+def _mean_of(values: list[Any]) -> Any:
+    return sum(values) / len(values)
+
+
+def _joined(values: list[Any], dim: int | None) -> Any:
+    """One aux value from its micro-batches' (see `_aux_rules`)."""
+    return _mean_of(values) if dim is None else jnp.concatenate(values, axis=dim)
 
 
 def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:
