@@ -187,44 +187,34 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
 
     def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
         """Cut the step's loss into layers at micro-batch shapes, pipeline them, place the update."""
-        method, name = self.method, self.__name__
         leaves, tree = jax.tree_util.tree_flatten(args)
         batch = self._batch_dims(args, leaves)
-        micro_leaves = [_micro_shape(leaf, batch.get(i), method.num_micro_batches) for i, leaf in enumerate(leaves)]
-        micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), name)
-        same_gradient(step, micro, name)
+        count = self.method.num_micro_batches
+        micro_leaves = [_micro_shape(leaf, batch.get(i), count) for i, leaf in enumerate(leaves)]
+        micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), self.__name__)
+        same_gradient(step, micro, self.__name__)
+        loss, layers = self._cut_loss(micro, len(devices))
+        layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
+        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
+        aux_rules = _aux_rules(step, micro, count, self.__name__)
+        rows = min(np.shape(micro_leaves[i])[d] for i, d in batch.items())
+        parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices,
+                                                   has_aux=bool(aux_rules), micro_rows=rows), layers)
+        owners = _weight_stages(loss, layers, parts.stages)
+        update = _update_runner(step, owners, len(aux_rules), parts.pipeline.stage_meshes)
+        return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
+
+    def _cut_loss(self, micro: TracedStep, num_devices: int) -> tuple[LossProgram, LossLayers]:
+        """The loss program of the micro-batch trace, cut at its marks or into `layers` by FLOPs."""
+        method, name = self.method, self.__name__
         loss = loss_program(micro, name)
         marks = count_marks(loss.closed)
         if marks and method.layers not in ("auto", marks + 1):
             raise OptionsError(f"{name}'s loss marks {marks + 1} layers with mark_pipeline_boundary but "
                                f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
                                f"or remove the marks to cut into {method.layers} layers by FLOPs")
-        count = None if marks else method.layers if method.layers != "auto" else auto_layer_count(method,
-                                                                                                   len(devices))
-        layers = split_loss(loss.closed, loss.weights, count)
-        layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
-        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
-        aux_rules = _aux_rules(step, micro, method.num_micro_batches, name)
-        parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices, has_aux=bool(aux_rules))
-        plan = parts.plan
-        parts = replace(parts, plan=replace(
-            plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
-            metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
-        stage_of_layer = {k: j for j, s in enumerate(parts.stages) for k in range(s.first, s.last + 1)}
-        owners: dict[int, tuple[int, ...]] = {}
-        for k, weights in enumerate(layers.weights):
-            for p in weights:
-                owners.setdefault(loss.inputs[p], ())
-                owners[loss.inputs[p]] += (stage_of_layer[k],)
-        jaxpr = step.closed.jaxpr
-        gradient = jaxpr.eqns[step.gradient.index]
-        home = lambda leaf: min(owners.get(leaf, (0,)))
-        num_aux = len(aux_rules)
-        homes = {v: len(parts.stages) - 1 for v in gradient.outvars[:1 + num_aux]}  # the loss and its aux values
-        homes.update((gradient.outvars[1 + num_aux + j], home(leaf)) for j, leaf in enumerate(step.differentiated))
-        homes.update((jaxpr.invars[leaf], home(leaf)) for leaf in step.differentiated)
-        update = UpdateRunner(step, update_pieces(step, homes), parts.pipeline.stage_meshes)
-        return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
+        count = method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
+        return loss, split_loss(loss.closed, loss.weights, None if marks else count)
 
     def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
         """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
@@ -271,9 +261,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         return compiled.update(env)
 
     def _pipelined(self, layer_fns: Sequence[Callable[..., Any]], layer_params: list[Any], micro_x: Any,
-                   micro_t: Any, devices: list[Any], has_aux: bool = False) -> _Compiled:
+                   micro_t: Any, devices: list[Any], has_aux: bool = False, micro_rows: int | None = None) -> _Compiled:
         """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs);
-        with `has_aux` the last layer returns `(loss, aux)`."""
+        with `has_aux` the last layer returns `(loss, aux)`; `micro_rows`: examples per
+        micro-batch (default: `micro_x`'s first leaf's leading dim)."""
         method, params = self.method, layer_params
         search = None
         if method.stages == "auto":
@@ -283,7 +274,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         else:
             stages = stage_assignments(method, len(params), len(devices))
         if method.stage_sharding == "data_parallel":
-            _check_data_parallel(stages, jax.tree_util.tree_leaves(micro_x)[0].shape[0], method)
+            rows = jax.tree_util.tree_leaves(micro_x)[0].shape[0] if micro_rows is None else micro_rows
+            _check_data_parallel(stages, rows, method)
         stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
         meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
                        axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
@@ -328,6 +320,38 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
+
+
+def _with_layer_record(parts: _Compiled, layers: LossLayers) -> _Compiled:
+    """`parts` whose Plan also says how the loss was cut (option "layers", metrics "layer_flops.<k>")."""
+    plan = parts.plan
+    return replace(parts, plan=replace(
+        plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
+        metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
+
+
+def _weight_stages(loss: LossProgram, layers: LossLayers,
+                   stages: Sequence[StageAssignment]) -> dict[int, tuple[int, ...]]:
+    """Differentiated step input -> the stages whose layers read it, in order (the first owns it)."""
+    stage_of_layer = {k: j for j, s in enumerate(stages) for k in range(s.first, s.last + 1)}
+    owners: dict[int, tuple[int, ...]] = {}
+    for k, weights in enumerate(layers.weights):
+        for p in weights:
+            owners[loss.inputs[p]] = (*owners.get(loss.inputs[p], ()), stage_of_layer[k])
+    return owners
+
+
+def _update_runner(step: TracedStep, owners: dict[int, tuple[int, ...]], num_aux: int,
+                   meshes: Sequence[Mesh]) -> UpdateRunner:
+    """The update placed on the stages: the loss and aux values live on the last stage, each weight
+    and its gradient on its owner (stage 0 for a weight no layer reads)."""
+    jaxpr = step.closed.jaxpr
+    gradient = jaxpr.eqns[step.gradient.index]
+    owner = lambda leaf: owners.get(leaf, (0,))[0]
+    homes = {v: len(meshes) - 1 for v in gradient.outvars[:1 + num_aux]}
+    homes.update((gradient.outvars[1 + num_aux + j], owner(leaf)) for j, leaf in enumerate(step.differentiated))
+    homes.update((jaxpr.invars[leaf], owner(leaf)) for leaf in step.differentiated)
+    return UpdateRunner(step, update_pieces(step, homes), meshes)
 
 
 def _aux_rules(full: TracedStep, micro: TracedStep, count: int, name: str) -> tuple[int | None, ...]:
