@@ -145,6 +145,15 @@ def test_gradient_calls_are_marked_only_while_meshplan_traces():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_gradient_of_constants_is_left_to_jax():
+    def step(p, x):
+        scale = jax.grad(lambda a: a ** 2)(3.0)  # concrete while tracing: evaluated by JAX, not marked
+        value, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p) ** 2) * scale)(p)
+        return p - grads, value
+    closed, _ = trace_with_gradients(step, (jnp.ones((4, 2)), jnp.ones((8, 4))))
+    assert len(gradient_calls(closed.jaxpr)) == 1
+
+
 def test_patch_is_restored_when_the_step_raises():
     def broken(params, x):
         jax.grad(lambda p: jnp.sum(p * x))(params)

@@ -26,6 +26,7 @@ from meshplan.runtime.replay import subjaxprs
 
 gradient_p = Primitive("meshplan_gradient")
 gradient_p.multiple_results = True
+_value_and_grad = jax.value_and_grad  # JAX's own, also while a trace has it replaced
 
 
 def _value_and_grad_of(*operands: Any, loss: ClosedJaxpr, differentiated: tuple[bool, ...]) -> list[Any]:
@@ -41,7 +42,7 @@ def _value_and_grad_of(*operands: Any, loss: ClosedJaxpr, differentiated: tuple[
         out = jaxpr_as_fun(loss)(*args)
         return out[0], out[1:]
 
-    (value, aux), grads = jax.value_and_grad(of_differentiated, argnums=tuple(range(len(wrt))),
+    (value, aux), grads = _value_and_grad(of_differentiated, argnums=tuple(range(len(wrt))),
                                              has_aux=True)(*(fixed[i] for i in wrt))
     return [value, *aux, *grads]
 
@@ -142,6 +143,8 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
     if any(not 0 <= n < len(args) for n in nums):
         return jax_own()
     leaves, tree = jax.tree_util.tree_flatten(args)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return jax_own()  # on constants, computed while tracing: not the step's gradient
     closed, shape = jax.make_jaxpr(lambda *flat: fun(*jax.tree_util.tree_unflatten(tree, flat)),
                                    return_shape=True)(*leaves)
     if has_aux and not (isinstance(shape, (tuple, list)) and len(shape) == 2):
