@@ -10,7 +10,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshplan"
 # Folders (and root modules) that plan or read plans: they see graphs and numbers, never JAX.
 NO_JAX = ("ir", "sharding", "cost", "intra", "inter", "simulator", "cluster", "models", "report", "plan.py",
-          "errors.py", "files.py")
+          "errors.py", "files.py", "distributed")
 JAX = ("jax", "jaxlib", "flax", "optax")
 # What the runtime may use of the planners: their public passes and data types.
 RUNTIME_PUBLIC = {"meshplan.intra", "meshplan.intra.options", "meshplan.intra.plan", "meshplan.intra.solve",
@@ -106,3 +106,9 @@ def test_no_planner_imports_cfp():
     parts = [p.name for p in SRC.iterdir() if p.name not in ("cfp", "cli.py", "__pycache__")]
     assert offending(parts, ("meshplan.cfp",)) == []
     assert offending(["cli.py"], ("meshplan.cfp",), top_level_only=True) == []
+
+
+def test_distributed_knows_nothing_of_what_its_tasks_compute():
+    """The executors run any module-level function: they import no planning pass."""
+    parts = [p.name for p in SRC.iterdir() if p.name not in ("distributed", "errors.py", "files.py", "__pycache__")]
+    assert offending(["distributed"], tuple(f"meshplan.{p.removesuffix('.py')}" for p in parts)) == []

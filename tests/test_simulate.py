@@ -30,6 +30,9 @@ def test_preset_sizes_match_published_counts():
     assert PRESETS["llama2-13b"].num_params() == pytest.approx(13.0e9, rel=0.01)
     assert PRESETS["llama2-70b"].num_params() == pytest.approx(69.0e9, rel=0.01)
     assert PRESETS["gpt3-175b"].num_params() == pytest.approx(175e9, rel=0.01)
+    assert PRESETS["llama3.1-8b"].num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert PRESETS["llama3.1-70b"].num_params() == pytest.approx(70.6e9, rel=0.01)
+    assert PRESETS["llama3.1-405b"].num_params() == pytest.approx(405.9e9, rel=0.01)
 
 
 def test_hugging_face_config(tmp_path):
@@ -57,7 +60,8 @@ def test_prediction_is_consistent(small_simulation):
     assert p.pipeline_time_s == pytest.approx(pipeline)
     assert p.iteration_time_s == pytest.approx(pipeline + p.sync_time_s)
     assert p.tokens_per_s == pytest.approx(16 * 256 / p.iteration_time_s)
-    assert p.mfu == pytest.approx(6 * SMALL.num_params() * 16 * 256 / p.iteration_time_s / 4 / 312e12, rel=1e-9)
+    assert p.mfu == pytest.approx(6 * SMALL.flop_params() * 16 * 256 / p.iteration_time_s / 4 / 312e12, rel=1e-9)
+    assert SMALL.flop_params() == SMALL.num_params() - (51200 + 2048) * 768  # no lookup tables
     assert all(s.memory_bytes <= cluster.device.memory_bytes for s in plan.stages)
 
 
@@ -81,7 +85,7 @@ def test_plan_json_round_trip(small_simulation):
 def test_model_that_cannot_fit_names_the_memory():
     job = TrainingJob(PRESETS["llama2-70b"], global_batch=8, seq_len=512)
     cluster = Cluster(1, 4, get_device("v100-16gb"))
-    with pytest.raises(InfeasiblePlanError, match=r"needs 1103\.6 GB.*per device"):
+    with pytest.raises(InfeasiblePlanError, match=r"leanest layout \(tp=4,.*\) needs 311\.7 GB per device"):
         simulate(job, cluster, PlannerOptions(workers=1, microbatch_sizes=(2,)), baselines=False)
 
 
@@ -120,7 +124,7 @@ def test_simulate_command_json(tmp_path):
     assert data == json.loads(out.read_text())
     assert Plan.from_dict(data).to_dict() == data  # one schema-versioned Plan, baselines inside
     assert data["prediction"]["iteration_time_s"] > 0 and data["source"] == "simulate"
-    assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2"}
+    assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2", "layout-search"}
 
 
 def test_reduce_scatter_widens_the_piece_plans():
@@ -143,3 +147,20 @@ def test_reduce_scatter_widens_the_piece_plans():
     assert CollectiveKind.REDUCE_SCATTER not in kinds[False]
     assert CollectiveKind.REDUCE_SCATTER in kinds[True]
     assert costs[True] <= costs[False] * (1 + 1e-4)  # the solver's relative gap
+
+
+def test_menu_from_one_enumeration_equals_separate_solves():
+    """solve_intra_prices re-prices one enumeration: the plans equal separate solve_intra calls."""
+    from meshplan.simulator.pricing import MEMORY_PRICES, piece_graphs, profile_menu, profile_piece
+
+    cluster = Cluster(2, 4, get_device("a100-40gb"))
+    mesh = cluster.logical_views((2, 4))[1]
+    blocks, embed, _ = piece_graphs(SMALL, 4, 256, TrainingJob(SMALL, 16, 256).dtype, "adam")
+    for piece in (blocks[False], embed):
+        menu = profile_menu(piece, mesh, 1e14, 4, MEMORY_PRICES)
+        separate = [profile_piece(piece, mesh, 1e14, 4, memory_price=f * max(mesh.beta))[0] for f in MEMORY_PRICES]
+        kept = [separate[0]]
+        for cost in separate[1:]:
+            if cost.static_bytes < kept[-1].static_bytes * 0.999:
+                kept.append(cost)
+        assert menu == tuple(kept) and len(menu) >= 2

@@ -91,7 +91,10 @@ def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
     None when no such pipeline fits in memory or its sub-meshes do not tile the cluster."""
     options = options or InterOptions()
     schedule = get_schedule(options.schedule)
-    shapes = cluster.submesh_shapes()
+    # Shapes without a priced view are no candidates: leaving them out keeps the table small.
+    shapes = [shape for shape in cluster.submesh_shapes() if costs.views_of(shape)]
+    if not shapes:
+        return None
     per_shape = [costs.views_of(shape) for shape in shapes]
     table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
                           options.recompute)

@@ -3,17 +3,24 @@
 Input: per candidate stage (first layer k, last layer i, sub-mesh m, stages left s) its
 latency per micro-batch (inf when it does not fit in memory with s micro-batches in flight).
 Output: the stages minimising the pipeline latency T = sum_s t_s + (B - 1) * max_s t_s, with
-every device used. For each bound t_max on the slowest stage (ascending over the distinct
-latencies, stopping once B * t_max >= the best T) it solves
+every device used. For a bound t_max on the slowest stage it solves
 
     F(s, k, d) = min over i >= k, m with size(m) <= d and t(k..i, m, s) <= t_max of
                  t(k..i, m, s) + F(s - 1, i + 1, d - size(m)),
 
-vectorised over (k, i, d) with NumPy.
+vectorised over (k, d) with NumPy, and S(t_max) = min_s F(s, 0, D) is the least latency sum of
+a plan whose stages all take at most t_max. The optimum is T* = min over t_max of
+S(t_max) + (B - 1) * t_max, taken over the distinct stage latencies. Rather than solving for
+every one (Alpa's loop), a branch and bound visits them: S never grows with t_max, so on a run
+of candidates c_lo..c_hi whose upper end is solved, S(c_hi) + (B - 1) * c_lo bounds them all
+from below and the run is dropped once that bound reaches the best plan; a plan solved at c_hi
+whose slowest stage takes t* < c_hi settles every candidate in [t*, c_hi] at once. The answer
+is exactly Alpa's (tests compare it with exhaustive search).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Sequence
@@ -60,29 +67,28 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
             found is then within that ratio of the optimum on the max term.
     """
     lat = np.asarray(latency, dtype=float)
-    num_layers = lat.shape[0]
     sizes = np.asarray(sizes, dtype=int)
-    candidates = np.unique(lat[np.isfinite(lat)])
+    used = [m for m in range(len(sizes)) if 0 < sizes[m] <= num_devices and np.isfinite(lat[:, :, m, 1:]).any()]
+    if not used:
+        return None
+    # Count devices in units of the sizes' common divisor (whole nodes, often): same plans, fewer columns.
+    unit = math.gcd(*(int(size) for size in sizes[used]))
+    if num_devices % unit:
+        return None
+    table = _BandTable(lat[:, :, used, :], sizes[used] // unit, num_devices // unit)
+    candidates = table.candidates()
     if relative_bucket > 0:
         candidates = _bucket(candidates, relative_bucket)
-    best: StageCuts | None = None
-    tried = 0
-    for t_max in candidates:
-        if best is not None and num_microbatches * t_max >= best.total:
-            break
-        tried += 1
-        found = _solve_for_bound(lat, sizes, num_devices, t_max, num_layers)
-        if found is None:
-            continue
-        stages = found
-        total = pipeline_latency([s.latency for s in stages], num_microbatches)
-        if best is None or total < best.total - 1e-15 * abs(total):
-            best = StageCuts(tuple(stages), total)
-    return None if best is None else StageCuts(best.stages, best.total, tried)
+    found = _branch_and_bound(table, candidates, num_microbatches)
+    if found is None:
+        return None
+    cuts, tried = found
+    stages = tuple(StageSlot(s.first, s.last, used[s.submesh], s.latency) for s in cuts.stages)
+    return StageCuts(stages, cuts.total, tried)
 
 
 def _bucket(values: np.ndarray, ratio: float) -> np.ndarray:
-    kept = []
+    kept: list[float] = []
     for v in values:
         if kept and v <= kept[-1] * (1 + ratio):
             kept[-1] = v  # keep the bucket's largest value so no candidate is lost
@@ -91,50 +97,121 @@ def _bucket(values: np.ndarray, ratio: float) -> np.ndarray:
     return np.array(kept)
 
 
-def _solve_for_bound(lat: np.ndarray, sizes: np.ndarray, num_devices: int, t_max: float,
-                     num_layers: int) -> list[StageSlot] | None:
-    masked = np.where(lat <= t_max, lat, INF)
-    # Per (sub-mesh, stages left): the longest layer range that can still meet t_max.
-    finite = np.isfinite(masked)
-    spans = np.arange(num_layers)[None, :] - np.arange(num_layers)[:, None] + 1  # [k, i] -> layers
-    longest = np.where(finite, spans[:, :, None, None], 0).max(axis=(0, 1))  # [m, s]
-    max_stages = min(lat.shape[3] - 1, num_layers, num_devices)
-    # f[k, d]: best sum of latencies for layers k.. with the stages so far and d devices.
-    f_prev = np.full((num_layers + 1, num_devices + 1), INF)
-    f_prev[num_layers, 0] = 0.0
-    history = []
-    best_s, best_value = None, INF
-    for s in range(1, max_stages + 1):
-        f_cur = np.full_like(f_prev, INF)
-        arg = np.full((num_layers, num_devices + 1, 2), -1, dtype=int)
-        for m, size in enumerate(sizes):
-            if size > num_devices or longest[m, s] == 0:
-                continue
-            shifted = np.full((num_layers + 1, num_devices + 1), INF)  # [j, d] -> F(s-1, j, d - size)
-            shifted[:, size:] = f_prev[:, : num_devices + 1 - size]
-            for n in range(1, int(longest[m, s]) + 1):
-                k = np.arange(num_layers - n + 1)
-                value = masked[k, k + n - 1, m, s][:, None] + shifted[n:, :]  # [k, d]
-                better = value < f_cur[: num_layers - n + 1]
-                f_cur[: num_layers - n + 1][better] = value[better]
-                arg[: num_layers - n + 1][better] = (np.broadcast_to(k[:, None] + n - 1, better.shape)[better][:, None]
-                                                     * np.array([1, 0]) + np.array([0, m]))
-        history.append(arg)
-        if f_cur[0, num_devices] < best_value:
-            best_s, best_value = s, f_cur[0, num_devices]
-        f_prev = f_cur
-    if best_s is None:
+def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatches: int
+                      ) -> tuple[StageCuts, int] | None:
+    """min over t_max in `candidates` of S(t_max) + (B - 1) t_max, solving few of them (see the
+    module docstring); returns the best plan and how many bounds were solved."""
+    tail = num_microbatches - 1
+    top = len(candidates) - 1
+    first = table.solve(candidates[top])
+    tried = 1
+    if first is None:
         return None
-    return _backtrack(history, lat, sizes, best_s, num_devices)
+    best = _cuts(first, num_microbatches)
+    # Runs [lo, hi) of candidates not yet settled, with S(c) >= upper_sum on all of them.
+    runs: list[tuple[float, int, int, float]] = []
+
+    def push(lo: int, hi: int, upper_sum: float) -> None:
+        if lo < hi:
+            heapq.heappush(runs, (upper_sum + tail * candidates[lo], lo, hi, upper_sum))
+
+    push(0, _below(candidates, first, top), sum(s.latency for s in first))
+    while runs:
+        bound, lo, hi, upper_sum = heapq.heappop(runs)
+        if bound >= best.total:
+            break  # the heap is ordered by bound: nothing left can do better
+        mid = (lo + hi) // 2 if hi - lo > 2 else hi - 1  # probe the top of short runs: it settles most
+        solved = table.solve(candidates[mid])
+        tried += 1
+        if solved is None:  # nothing fits under candidates[mid], so nothing under the smaller ones
+            push(mid + 1, hi, upper_sum)
+            continue
+        cuts = _cuts(solved, num_microbatches)
+        if cuts.total < best.total - 1e-15 * abs(cuts.total):
+            best = cuts
+        solved_sum = sum(s.latency for s in solved)
+        push(lo, _below(candidates, solved, mid), solved_sum)
+        push(mid + 1, hi, upper_sum)
+    return best, tried
 
 
-def _backtrack(history, lat, sizes, num_stages, num_devices) -> list[StageSlot]:
-    stages, k, d = [], 0, num_devices
-    for s in range(num_stages, 0, -1):
-        i, m = history[s - 1][k, d]
-        stages.append(StageSlot(int(k), int(i), int(m), float(lat[k, i, m, s])))
-        k, d = i + 1, d - int(sizes[m])
-    return stages
+def _below(candidates: np.ndarray, stages: list[StageSlot], index: int) -> int:
+    """Candidates from the plan's slowest stage up to `index` share its sum: they are settled."""
+    slowest = max(s.latency for s in stages)
+    return min(index, int(np.searchsorted(candidates, slowest, side="left")))
+
+
+def _cuts(stages: list[StageSlot], num_microbatches: int) -> StageCuts:
+    return StageCuts(tuple(stages), pipeline_latency([s.latency for s in stages], num_microbatches))
+
+
+class _BandTable:
+    """The latency table by diagonal: band[n - 1][s, m, k] = latency of layers k..k+n-1 on
+    sub-mesh m as the s-th stage from the end, contiguous for the DP's inner step."""
+
+    def __init__(self, lat: np.ndarray, sizes: np.ndarray, num_devices: int) -> None:
+        self.num_layers = lat.shape[0]
+        self.sizes = sizes
+        self.num_devices = num_devices
+        self.max_stages = min(lat.shape[3] - 1, self.num_layers, num_devices // int(sizes.min()))
+        k = self.num_layers
+        s_range = slice(0, self.max_stages + 1)
+        self.bands = [np.ascontiguousarray(np.diagonal(lat, offset=n - 1, axis1=0, axis2=1).transpose(1, 0, 2)[s_range])
+                      for n in range(1, k + 1)]
+        # Fastest candidate per (span, s, m): spans whose fastest exceeds t_max are skipped.
+        self.fastest = np.stack([b.min(axis=2) for b in self.bands])  # [n - 1, s, m]
+
+    def candidates(self) -> np.ndarray:
+        values = np.concatenate([b[1:].ravel() for b in self.bands])
+        return np.unique(values[np.isfinite(values)])
+
+    def solve(self, t_max: float) -> list[StageSlot] | None:
+        """The least-sum plan whose stages all take at most t_max (None: none uses every device)."""
+        k_all, d_all = self.num_layers, self.num_devices
+        f_prev = np.full((k_all + 1, d_all + 1), INF)
+        f_prev[k_all, 0] = 0.0
+        history = [f_prev]
+        best_s, best_value = 0, INF
+        largest = int(self.sizes.max())
+        for s in range(1, self.max_stages + 1):
+            f_cur = np.full_like(f_prev, INF)
+            reach = min(d_all, s * largest) + 1  # s stages hold at most s of the largest sub-mesh
+            for m, size in enumerate(self.sizes):
+                spans = np.flatnonzero(self.fastest[:, s, m] <= t_max) + 1
+                if spans.size == 0 or size >= reach:
+                    continue
+                shifted = f_prev[:, : reach - size]  # F(s - 1, j, d - size) at column d
+                target = f_cur[:, size:reach]
+                for n in spans:
+                    band = self.bands[n - 1][s, m]
+                    band = np.where(band <= t_max, band, INF)
+                    np.minimum(target[: k_all - n + 1], band[:, None] + shifted[n:], out=target[: k_all - n + 1])
+            history.append(f_cur)
+            if f_cur[0, d_all] < best_value:
+                best_s, best_value = s, f_cur[0, d_all]
+            f_prev = f_cur
+        if best_s == 0:
+            return None
+        return self._backtrack(history, best_s, t_max)
+
+    def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float) -> list[StageSlot]:
+        stages, k, d = [], 0, self.num_devices
+        for s in range(num_stages, 0, -1):
+            target, before = history[s][k, d], history[s - 1]
+            stages.append(self._step(before, s, k, d, target, t_max))
+            k, d = stages[-1].last + 1, d - int(self.sizes[stages[-1].submesh])
+        return stages
+
+    def _step(self, before: np.ndarray, s: int, k: int, d: int, target: float, t_max: float) -> StageSlot:
+        """The stage (k..i on m) that gives F(s, k, d) = target: the same sums as the forward pass."""
+        for m, size in enumerate(self.sizes):
+            if size > d:
+                continue
+            for n in range(1, self.num_layers - k + 1):
+                t = self.bands[n - 1][s, m, k]
+                if t <= t_max and t + before[k + n, d - size] == target:
+                    return StageSlot(k, k + n - 1, m, float(t))
+        raise AssertionError("stage DP backtracking lost its path")  # pragma: no cover
 
 
 def brute_force_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int,

@@ -129,17 +129,29 @@ def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], clu
     recomputation (inf: nothing fits)."""
     num_layers = costs.num_layers
     table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
+    inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(num_layers + 1)])
+    grid = np.indices((num_layers, num_layers))
     for m, views in enumerate(per_shape):
+        # by_count[k, i, c]: the best latency of a choice that fits for exactly the first c stage
+        # counts; the table at s is then the best over c > s (a suffix minimum).
+        by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
         for view in views:
             transfer = np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
             for menu in range(view.menu_size):
-                _fill_menu(table, m, view, menu, transfer, num_microbatches, capacity, schedule, recompute_choices)
+                for latency, fits in _menu_choices(view, menu, transfer, num_microbatches, capacity, inflight,
+                                                   recompute_choices):
+                    slot = by_count[grid[0], grid[1], fits]
+                    by_count[grid[0], grid[1], fits] = np.minimum(slot, latency)
+        suffix = np.minimum.accumulate(by_count[:, :, ::-1], axis=2)[:, :, ::-1]
+        table[:, :, m, 1:] = suffix[:, :, 2:]
     return table
 
 
-def _fill_menu(table: np.ndarray, m: int, view: ViewCosts, menu: int, transfer: np.ndarray, num_microbatches: int,
-               capacity: float, schedule: Schedule, recompute_choices: tuple[str, ...]) -> None:
-    """Vectorised over (first, last, stages left) for one menu entry."""
+def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbatches: int, capacity: float,
+                  inflight: np.ndarray, recompute_choices: tuple[str, ...]):
+    """Per recomputation choice: the stage key of every range [first, last] under one menu entry
+    (inf where the range is empty or holds an unusable layer) and how many leading stage counts
+    (0, 1, ...) it fits in memory for."""
     num_layers = len(view.layers)
     entries: list[LayerCost] = [view.entry(k, menu) for k in range(num_layers)]
     # A layer that cannot run on this view (infinite costs) rules out every range holding it;
@@ -156,13 +168,28 @@ def _fill_menu(table: np.ndarray, m: int, view: ViewCosts, menu: int, transfer: 
     kept = [e for e, ok in zip(entries, usable, strict=True) if ok] or entries[:1]
     sums["transient_bytes"] = max(e.transient_bytes for e in kept)
     sums["peak_activation_bytes"] = max(e.peak_activation_bytes for e in kept)
-    inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(table.shape[3])])[None, None, :]
     for recompute in recompute_choices:
-        memory = stage_memory({f: (v[..., None] if isinstance(v, np.ndarray) else v) for f, v in sums.items()},
-                              inflight, recompute)
         latency = stage_latency(sums, recompute, transfer[None, :])
         latency = latency + (sums["sync_time"] + sums["update_time"]) / num_microbatches  # see stage_key
-        ok = (memory <= capacity) & valid[..., None]
-        ok[:, :, 0] = False
-        candidate = np.where(ok, latency[..., None], np.inf)
-        table[:, :, m, :] = np.minimum(table[:, :, m, :], candidate)
+        yield np.where(valid, latency, np.inf), _fitting_stage_counts(sums, inflight, recompute, capacity)
+
+
+def _fitting_stage_counts(sums: dict, inflight: np.ndarray, recompute: str, capacity: float) -> np.ndarray:
+    """Per range [first, last]: how many leading entries of `inflight` (indexed by stages left,
+    from 0) fit in `capacity`. Memory grows with the micro-batches in flight, which never shrink as
+    stages left grow, so the fitting entries are a prefix; found by bisection, with the same
+    arithmetic as `stage_memory` (a range fits here exactly when it fits there)."""
+    if np.any(np.diff(inflight) < 0):  # pragma: no cover - every registered schedule is monotone
+        memory = stage_memory({f: (v[..., None] if isinstance(v, np.ndarray) else v) for f, v in sums.items()},
+                              inflight[None, None, :], recompute)
+        fits = memory <= capacity
+        return np.where(fits.all(axis=2), len(inflight), np.argmin(fits, axis=2))
+    shape = sums["time"].shape
+    lo, hi = np.zeros(shape, dtype=int), np.full(shape, len(inflight))
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        probe = np.minimum(mid, len(inflight)) - 1
+        ok = (stage_memory(sums, inflight[np.maximum(probe, 0)], recompute) <= capacity) & (lo < hi)
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok | (lo >= hi), hi, mid - 1)
+    return lo

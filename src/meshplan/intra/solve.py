@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
@@ -11,13 +12,13 @@ from meshplan.intra.graph_problem import graph_problem
 from meshplan.intra.ilp import VariableMap, build_ilp
 from meshplan.intra.layers import shared_groups
 from meshplan.intra.options import IntraOptions
-from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
+from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
 from meshplan.intra.problem_solver import ProblemOptions, solve_problem
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
 from meshplan.ir.graph import Graph, check_graph
-from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies
+from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies, reprice_parameters
 from meshplan.sharding.spec import ShardingSpec
 
 
@@ -45,6 +46,27 @@ def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> 
     return build_strategy_graph(graph, mesh, options.cost, nodes), unsupported
 
 
+def solve_intra_prices(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
+                       memory_prices: tuple[float, ...]) -> list[IntraPlan]:
+    """`solve_intra` once per memory price (`CostModel.memory_price`), the other options fixed:
+    the strategies are enumerated and the resharding costs priced once, then re-priced (the
+    plans are the same as separate `solve_intra` calls)."""
+    plans: list[IntraPlan] = []
+    first: StrategyGraph | None = None
+    unsupported: tuple[str, ...] = ()
+    for price in memory_prices:
+        priced = replace(options, cost=replace(options.cost, memory_price=price))
+        start = time.perf_counter()
+        if first is None:
+            sg, unsupported = build_strategies(graph, mesh, priced)
+            first = sg
+        else:
+            nodes = reprice_parameters(graph, mesh, priced.cost, priced.rules, first.nodes)
+            sg = build_strategy_graph(graph, mesh, priced.cost, nodes, first._reshard_cache)
+        plans.append(_solve_strategy_graph(sg, graph, mesh, priced, start, unsupported))
+    return plans
+
+
 def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = None) -> IntraPlan:
     """Choose one sharding strategy per node minimizing compute + communication + resharding.
 
@@ -63,6 +85,11 @@ def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = 
     options = options or IntraOptions()
     start = time.perf_counter()
     sg, unsupported = build_strategies(graph, mesh, options)
+    return _solve_strategy_graph(sg, graph, mesh, options, start, unsupported)
+
+
+def _solve_strategy_graph(sg: StrategyGraph, graph: Graph, mesh: LogicalMesh, options: IntraOptions, start: float,
+                          unsupported: tuple[str, ...]) -> IntraPlan:
     budget = budget_of(mesh, options)
     gp = graph_problem(sg, budget, shared_groups(sg) if options.share_layers else None)
     build_s = time.perf_counter() - start
@@ -129,10 +156,10 @@ def _plan(sg: StrategyGraph, group_choice: dict[int, int], result: SolveResult, 
     graph = sg.graph
     choice = sg.node_choices(group_choice)
     chosen, reshardings = [], []
+    aliased = {param for param, _ in graph.aliases}
     for node in graph.nodes:
         s = sg.nodes[node.id].strategies[choice[node.id]]
-        chosen.append(ChosenStrategy(node.id, node.label, node.op, node.layer, s.name, s.output, s.operands,
-                                     s.collectives, s.memory, s.compute, s.communication))
+        chosen.append(chosen_strategy(node, s, aliased))
         for operand, required in zip(node.operands, s.operands, strict=True):
             produced = sg.nodes[operand].strategies[choice[operand]].output
             collectives = sg.reshard(operand, produced, required)

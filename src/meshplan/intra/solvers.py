@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +68,37 @@ def _gap(objective: float | None, bound: float | None) -> float | None:
     return max(0.0, objective - bound) / max(abs(objective), 1e-9)
 
 
+_banner_shown = False
+
+
+def quiet_highs():
+    """A `highspy.Highs` that prints nothing on standard output.
+
+    HiGHS 1.16 prints its banner from C++ when the first instance of a process is made, before any
+    option can silence it; that would corrupt `--json` output (and repeat once per worker process),
+    so the first construction runs with the process's C-level stdout pointed at the null device.
+    """
+    global _banner_shown
+    import highspy
+
+    if _banner_shown:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+            h = highspy.Highs()
+            ctypes.CDLL(None).fflush(None)  # drop the C library's buffered banner while fd 1 is the null device
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(null)
+        _banner_shown = True
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 @register_backend("highs")
 def solve_with_highs(lp: LinearProgram, time_limit: float, mip_gap: float) -> SolveResult:
     try:
@@ -72,8 +106,7 @@ def solve_with_highs(lp: LinearProgram, time_limit: float, mip_gap: float) -> So
     except ImportError as exc:  # pragma: no cover - highspy is a dependency
         raise SolverError("the HiGHS backend needs highspy: pip install highspy") from exc
     start = time.perf_counter()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", 1)
@@ -160,3 +193,4 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
     if prob.sol_status == pulp.LpSolutionOptimal:
         return SolveResult(SolveStatus.OPTIMAL, objective, objective, 0.0, wall, "cbc", values)
     return SolveResult(SolveStatus.FEASIBLE, objective, None, None, wall, "cbc", values)
+

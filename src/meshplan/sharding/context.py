@@ -53,6 +53,7 @@ class RuleContext:
     # Optimizer state and the update ops that follow it (filled as rules run).
     state_derived: set[int] = field(default_factory=set)
     done: dict[int, NodeStrategies] = field(default_factory=dict)
+    _local_bytes: dict[tuple[int, tuple], float] = field(default_factory=dict)
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -67,7 +68,11 @@ class RuleContext:
         return all(not a or self.fits(s, a) for s, a in zip(shape, spec.dims, strict=True))
 
     def local_bytes(self, node: Node, spec: ShardingSpec) -> float:
-        return math.prod(spec.shard_shape(node.shape, self.mesh)) * node.dtype.itemsize
+        key = (node.id, spec.dims)
+        found = self._local_bytes.get(key)
+        if found is None:  # rules ask for the same (node, spec) many times
+            found = self._local_bytes[key] = math.prod(spec.shard_shape(node.shape, self.mesh)) * node.dtype.itemsize
+        return found
 
     def local_flops(self, node: Node, spec_axes: Sequence[int]) -> float:
         """FLOPs one device runs when the node's work is split over `spec_axes`."""

@@ -41,6 +41,17 @@ def enumerate_strategies(graph: Graph, mesh: LogicalMesh, model: CostModel,
     return tuple(ctx.done[n.id] for n in graph.nodes)
 
 
+def reprice_parameters(graph: Graph, mesh: LogicalMesh, model: CostModel, config: RuleConfig | None,
+                       previous: tuple[NodeStrategies, ...]) -> tuple[NodeStrategies, ...]:
+    """`enumerate_strategies` under `model`, given the strategies `previous` enumerated under a
+    model that differs from it only in `memory_price`: that price reaches parameters' strategies
+    alone (their penalty), so only their rule runs again (a memory-price menu re-plans a graph
+    several times; the other rules are most of the enumeration's time)."""
+    ctx = RuleContext(graph, mesh, model, config or RuleConfig(), node_depths(graph), {}, constant_nodes(graph))
+    return tuple(rule_for(OpKind.PARAMETER)(node, ctx) if node.kind is OpKind.PARAMETER else previous[node.id]
+                 for node in graph.nodes)
+
+
 def constant_nodes(graph: Graph) -> frozenset[int]:
     """Nodes whose value depends on no parameter (constants, iotas and ops on them only)."""
     found: set[int] = set()

@@ -52,7 +52,7 @@ class ShardingSpec:
 
     def shard_shape(self, shape: Sequence[int], mesh: LogicalMesh) -> tuple[int, ...]:
         """Local shape on one device; a dim the axes do not divide is padded up (ceil)."""
-        return tuple(math.ceil(s / mesh.axis_size(a)) for s, a in zip(shape, self.dims, strict=True))
+        return tuple(math.ceil(s / mesh.axis_size(a)) if a else s for s, a in zip(shape, self.dims, strict=True))
 
     def is_valid_for(self, shape: Sequence[int], mesh: LogicalMesh) -> bool:
         """True when every split dim is divided evenly by its axes."""

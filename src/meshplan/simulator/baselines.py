@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.distributed import TaskRunner
 from meshplan.inter import InterPlan, LayerCosts, ViewCosts, get_schedule
 from meshplan.inter.stages import RECOMPUTE_CHOICES, StageEstimate, estimate_stage, handoff_time, leanest_memory
 from meshplan.simulator.job import PlannerOptions, TrainingJob
 from meshplan.simulator.planner import PipelinePlan, Priced, capacity
-from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, run_tasks
+from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, price_tasks
 
 _ONE_F_ONE_B = get_schedule("1f1b")
 
@@ -62,7 +63,7 @@ def _task(job: TrainingJob, cluster: Cluster, key: ViewKey, options: PlannerOpti
 
 
 def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...], options: PlannerOptions,
-                      priced: Priced, progress=None) -> Baseline:
+                      priced: Priced, progress=None, runner: TaskRunner | None = None) -> Baseline:
     """The best feasible (tp, pp, dp) grid point: equal layer counts per stage, data parallel over
     axis 0 and the intra-op ILP free on the tensor-parallel axis."""
     tasks, points = {}, []
@@ -80,7 +81,7 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
             points.append((tp, pp, dp, b, key))
             if key not in priced:
                 tasks[key] = _task(job, cluster, key, options)
-    priced.update(run_tasks(list(tasks.values()), options.workers, progress, "pricing Megatron grid"))
+    priced.update(price_tasks(list(tasks.values()), runner, progress, "pricing Megatron grid"))
     best, best_config = None, ""
     for tp, pp, dp, b, key in points:
         costs = priced[key].costs
@@ -127,13 +128,13 @@ def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int,
         return None
     key = ViewKey("view", microbatch_size, shape, index)
     if key not in priced:
-        priced.update(run_tasks([_task(job, cluster, key, options)], 1, None, "pricing configuration"))
+        priced.update(price_tasks([_task(job, cluster, key, options)], None, None, "pricing configuration"))
     costs = priced[key].costs
     return uniform_pipeline(job, cluster, costs, pp, microbatch_size, options, recompute, chunks) if costs else None
 
 
 def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,
-                           priced: Priced) -> tuple[Baseline, Baseline]:
+                           priced: Priced, runner: TaskRunner | None = None) -> tuple[Baseline, Baseline]:
     """Pure data parallelism over every device (weights replicated) and ZeRO-2 (gradients and
     Adam state sharded over all devices, the same communication volume)."""
     devices = cluster.num_devices
@@ -146,7 +147,7 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
     key = ViewKey("dp", b, shape, index)
     if key not in priced:  # gradients all-reduced: reduce-scattering them would be ZeRO-2 already
         task = _task(job, cluster, key, replace(options, reduce_scatter=False), lean=False)
-        priced.update(run_tasks([task], 1, None, "pricing data parallel"))
+        priced.update(price_tasks([task], runner, None, "pricing data parallel"))
     view = priced[key].costs
     num_microbatches = job.global_batch // b
     usable = capacity(cluster, options)

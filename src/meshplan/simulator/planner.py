@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.distributed import TaskRunner, make_executor
 from meshplan.errors import InfeasiblePlanError, OptionsError
 from meshplan.inter import InterOptions, InterPlan, LayerCosts, plan_pipeline
 from meshplan.simulator.job import PlannerOptions, TrainingJob
@@ -24,7 +25,7 @@ from meshplan.simulator.pricing import (
     batch_axis,
     build_pieces,
     handoff_bytes,
-    run_tasks,
+    price_tasks,
 )
 
 
@@ -105,11 +106,12 @@ def inter_options(cluster: Cluster, options: PlannerOptions) -> InterOptions:
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
                   progress: Progress | None = None, stats: PlannerStats | None = None,
-                  priced: Priced | None = None) -> PipelinePlan:
+                  priced: Priced | None = None, runner: TaskRunner | None = None) -> PipelinePlan:
     """The fastest pipeline plan over the candidate micro-batch sizes.
 
     Args:
         priced: a cache of priced views, filled in place (baselines reuse it).
+        runner: runs the pricing tasks (default: a process pool of `options.workers`).
 
     Raises:
         InfeasiblePlanError: no plan fits in the devices' memory (the message says how much
@@ -118,6 +120,27 @@ def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | 
     options = options or PlannerOptions()
     stats = stats if stats is not None else PlannerStats()
     priced = priced if priced is not None else {}
+    with default_runner(runner, options) as tasks_runner:
+        return _plan_training(job, cluster, options, progress, stats, priced, tasks_runner)
+
+
+class default_runner:  # noqa: N801 - a context manager read as a phrase
+    """The runner given, or (closed on exit) one with a process pool of `options.workers`."""
+
+    def __init__(self, runner: TaskRunner | None, options: PlannerOptions) -> None:
+        self.given = runner
+        self.runner = runner or TaskRunner(make_executor("auto", options.workers))
+
+    def __enter__(self) -> TaskRunner:
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        if self.given is None:
+            self.runner.close()
+
+
+def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
+                   stats: PlannerStats, priced: Priced, runner: TaskRunner) -> PipelinePlan:
     best = None
     for b in planned_microbatch_sizes(job, cluster, options):
         start = time.perf_counter()
@@ -125,7 +148,7 @@ def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | 
         stats.timed("training graphs", start)
         start = time.perf_counter()
         tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t.key not in priced]
-        priced.update(run_tasks(tasks, options.workers, progress, f"pricing sub-meshes, micro-batch {b}"))
+        priced.update(price_tasks(tasks, runner, progress, f"pricing sub-meshes, micro-batch {b}"))
         stats.timed("intra-op ILPs", start)
         start = time.perf_counter()
         inter = plan_pipeline(layer_costs(job, b, priced), cluster, job.global_batch // b,

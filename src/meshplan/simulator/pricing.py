@@ -5,24 +5,26 @@ first layer; the LM head, stacked onto the last). Every piece is planned by the 
 each logical view of each candidate sub-mesh, once per memory price (a menu: the fastest plan,
 then plans that hold less memory for more time), and its costs are read off the plan
 (meshplan.inter.costs.layer_cost). Identical blocks are planned once. The work is a list of
-independent `PricingTask`s, run in this process or a process pool (`run_tasks`).
+independent `PricingTask`s, run through a `meshplan.distributed.TaskRunner` (`price_tasks`): in this
+process, a process pool or Ray, with retries and an optional resume cache.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY
 from meshplan.cost.model import CostModel
+from meshplan.distributed import Task, TaskRunner, run_tasks
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
-from meshplan.intra.solve import solve_intra
+from meshplan.intra.solve import solve_intra, solve_intra_prices
 from meshplan.ir import DType, OpKind
 from meshplan.models.training import (
     PieceGraph,
@@ -37,6 +39,7 @@ from meshplan.simulator.job import PlannerOptions, TrainingJob
 # costs as much as moving it once over that axis): 0 gives the fastest plan, larger prices
 # plans that shard optimizer state and weights further.
 MEMORY_PRICES = (0.0, 1.0, 16.0)
+LEAN_PRICES = MEMORY_PRICES[:2]  # the menu the simulator's views are priced with
 # Seconds per byte charged on every value: breaks ties between equally fast plans towards the
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
 ACTIVATION_PRICE = 1e-14
@@ -44,6 +47,8 @@ _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
 _PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
 
 Progress = Callable[[str, int, int], None]
+# Part of every task's cache key: raise it when pricing changes what a task returns.
+CACHE_VERSION = 1
 
 
 def training_parts(piece: PieceGraph) -> TrainingParts:
@@ -57,33 +62,51 @@ def training_parts(piece: PieceGraph) -> TrainingParts:
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                   memory_price: float = 0.0, time_limit: float = 30.0,
-                  force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[LayerCost, IntraPlan]:
+                  force_batch_axis: int | None = 0, reduce_scatter: bool = False,
+                  gemm_peak: float | None = None) -> tuple[LayerCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
-    read its costs off the plan; `reduce_scatter` as in IntraOptions."""
-    options = IntraOptions(cost=CostModel(flops_per_second=flops_per_second,
-                                          accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
-                                          activation_price=ACTIVATION_PRICE),
-                           force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
-                           reduce_scatter=reduce_scatter)
+    read its costs off the plan; `reduce_scatter` as in IntraOptions; with `gemm_peak`,
+    contractions are priced from their shapes (meshplan.cost.kernels) at that peak."""
+    options = _piece_options(flops_per_second, num_microbatches, memory_price, time_limit, force_batch_axis,
+                             reduce_scatter, gemm_peak)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
     return layer_cost(piece.graph, plan, training_parts(piece), num_microbatches), plan
 
 
+def _piece_options(flops_per_second: float, num_microbatches: int, memory_price: float, time_limit: float,
+                   force_batch_axis: int | None, reduce_scatter: bool, gemm_peak: float | None) -> IntraOptions:
+    return IntraOptions(cost=CostModel(flops_per_second=flops_per_second, accumulation_weight=1.0 / num_microbatches,
+                                       memory_price=memory_price, activation_price=ACTIVATION_PRICE,
+                                       gemm=DEFAULT_EFFICIENCY if gemm_peak else None, gemm_peak=gemm_peak),
+                        force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
+                        reduce_scatter=reduce_scatter)
+
+
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
-                 reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
+                 reduce_scatter: bool = False, gemm_peak: float | None = None) -> tuple[LayerCost, ...]:
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
-    fastest, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, force_batch_axis=force_batch_axis,
-                               reduce_scatter=reduce_scatter)
-    menu = [fastest]
+    return tuple(cost for cost, _ in menu_plans(piece, mesh, flops_per_second, num_microbatches, prices,
+                                                force_batch_axis, reduce_scatter, gemm_peak))
+
+
+def menu_plans(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
+               prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
+               reduce_scatter: bool = False,
+               gemm_peak: float | None = None) -> tuple[tuple[LayerCost, IntraPlan], ...]:
+    """`profile_menu`'s entries with the intra-op plan each was read from (one enumeration of
+    strategies for every price: `solve_intra_prices`)."""
     unit = max(mesh.beta)
-    for factor in prices:
-        if factor <= 0:
-            continue
-        cost, _ = profile_piece(piece, mesh, flops_per_second, num_microbatches, memory_price=factor * unit,
-                                force_batch_axis=force_batch_axis, reduce_scatter=reduce_scatter)
-        if cost.static_bytes < menu[-1].static_bytes * 0.999:
-            menu.append(cost)
+    factors = (0.0, *(f for f in prices if f > 0))
+    options = _piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter,
+                             gemm_peak)
+    plans = solve_intra_prices(piece.graph, mesh.with_memory(None), options, tuple(f * unit for f in factors))
+    parts = training_parts(piece)
+    menu: list[tuple[LayerCost, IntraPlan]] = []
+    for plan in plans:
+        cost = layer_cost(piece.graph, plan, parts, num_microbatches)
+        if not menu or cost.static_bytes < menu[-1][0].static_bytes * 0.999:
+            menu.append((cost, plan))
     return tuple(menu)
 
 
@@ -136,15 +159,16 @@ def price_view(task: PricingTask) -> ViewCosts:
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
     mesh = cluster.logical_views(key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
+    gemm_peak = cluster.device.peak_flops if options.gemm_curve else None
     axis = batch_axis(mesh)
-    blocks, embed, head = _pieces(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
     def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
         if task.lean:
-            return profile_menu(graph, mesh, flops, task.num_microbatches, MEMORY_PRICES[:2], axis,
-                                options.reduce_scatter)
+            return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter,
+                                gemm_peak)
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
-                              reduce_scatter=options.reduce_scatter)[0],)
+                              reduce_scatter=options.reduce_scatter, gemm_peak=gemm_peak)[0],)
 
     menus = {moe: menu(g) for moe, g in blocks.items()}
     layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
@@ -171,7 +195,7 @@ def batch_axis(mesh: LogicalMesh) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
+def piece_graphs(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
     kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
     blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
     return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
@@ -180,26 +204,36 @@ def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer:
 
 def build_pieces(job: TrainingJob, microbatch_size: int) -> None:
     """Build (and cache) the job's piece graphs in this process."""
-    _pieces(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    piece_graphs(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
 
 def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:
     return next(i for i in range(model.layers) if model.is_moe_layer(i) == moe)
 
 
-def run_tasks(tasks: list[PricingTask], workers: int, progress: Progress | None,
-              label: str) -> dict[ViewKey, PricingResult]:
-    """Run tasks, in a process pool when `workers` > 1; results keyed by each task's key."""
+def task_name(key: ViewKey) -> str:
+    """E.g. "view micro-batch 8 on sub-mesh 2x4 view 0"."""
+    return f"{key.kind} micro-batch {key.microbatch_size} on sub-mesh {'x'.join(map(str, key.submesh))} view " \
+           f"{key.view_index}"
+
+
+def task_key(task: PricingTask) -> str:
+    """Everything a task's result depends on (the worker count does not), for the task cache."""
+    neutral = replace(task, options=replace(task.options, workers=1))
+    return f"price_task {CACHE_VERSION} {neutral!r}"
+
+
+def price_tasks(tasks: list[PricingTask], runner: TaskRunner | None, progress: Progress | None,
+                label: str) -> dict[ViewKey, PricingResult]:
+    """Run tasks through `runner` (in this process when None); results keyed by each task's key.
+    A task that failed every attempt becomes a result without costs (not a candidate)."""
+    outcomes = run_tasks(price_task, [Task(task_name(t.key), task_key(t), t) for t in tasks], runner, progress,
+                         label)
     results: dict[ViewKey, PricingResult] = {}
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            for done, result in enumerate(pool.map(price_task, tasks), start=1):
-                results[result.key] = result
-                if progress:
-                    progress(label, done, len(tasks))
-    else:
-        for done, task in enumerate(tasks, start=1):
-            results[task.key] = price_task(task)
-            if progress:
-                progress(label, done, len(tasks))
+    for task, outcome in zip(tasks, outcomes, strict=True):
+        if outcome.ok:
+            results[task.key] = outcome.value
+        else:
+            tries = f" after {outcome.attempts} attempts" if outcome.attempts > 1 else ""
+            results[task.key] = PricingResult(task.key, None, f"{outcome.error}{tries}")
     return results

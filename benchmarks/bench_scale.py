@@ -1,0 +1,111 @@
+"""Planner time at scale: `meshplan simulate` (auto plan and baselines) from LLaMA2-13B on 200
+V100s to Llama-3.1-405B on 2,304 H100s, and the same plan from every executor.
+
+Cases (the issue's targets in brackets, on 2 cores):
+- llama2-13b on 50x4 V100-32GB, global batch 1000 x 4096 (<= 10 s);
+- llama2-70b on 128x8 A100-80GB, global batch 1024 x 4096 (<= 30 s);
+- llama3.1-405b on 288x8 H100-80GB, global batch 2304 x 8192 (<= 60 s);
+- llama3.1-8b on 16x8 and llama3.1-70b on 64x8 H100-80GB, for the table in docs/scale.md.
+
+Each case records wall seconds, CPU seconds of this process and its workers, the load average
+(other programs share the cores), planner seconds per phase, pricing tasks run and the
+prediction. With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
+a local Ray, and the JSON plans compared (planner seconds left out). Writes
+benchmarks/results/scale.json.
+Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+import warnings
+
+from meshplan.cluster import Cluster, get_device
+from meshplan.distributed import TaskRunner, make_executor
+from meshplan.models.transformer import PRESETS
+from meshplan.simulator import PlannerOptions, TrainingJob, simulate
+
+from common import save
+
+CASES = (
+    ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 10.0),
+    ("llama2-70b", 128, 8, "a100-80gb", 1024, 4096, 30.0),
+    ("llama3.1-405b", 288, 8, "h100-80gb", 2304, 8192, 60.0),
+    ("llama3.1-8b", 16, 8, "h100-80gb", 512, 8192, None),
+    ("llama3.1-70b", 64, 8, "h100-80gb", 1024, 8192, None),
+)
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--executors", action="store_true", help="compare in-process, pool and Ray plans")
+    parser.add_argument("--only", default="", help="run only the case whose model has this name")
+    args = parser.parse_args()
+    cases = [_case(*c) for c in CASES if not args.only or c[0] == args.only]
+    if args.executors:
+        cases.append(_executors())
+    print("wrote", save("scale", cases))
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int, seq_len: int,
+          target: float | None, executor: str = "pool") -> dict:
+    job = TrainingJob(PRESETS[model], global_batch, seq_len)
+    cluster = Cluster(nodes, per_node, get_device(device))
+    load_before = os.getloadavg()[0]
+    cpu, start = _cpu_seconds(), time.perf_counter()
+    with TaskRunner(make_executor(executor, workers=2)) as runner:
+        sim = simulate(job, cluster, PlannerOptions(workers=2), runner=runner)
+        tasks = runner.attempts
+    wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    p = sim.plan.prediction
+    case = {"name": f"{model} {nodes}x{per_node} {device}", "model": model, "cluster": [nodes, per_node],
+            "device": device, "global_batch": global_batch, "seq_len": seq_len, "executor": executor,
+            "planner_wall_s": wall, "planner_cpu_s": cpu, "target_s": target,
+            "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "pricing_tasks": tasks, "phases_s": sim.phases, "iteration_time_s": p.iteration_time_s,
+            "mfu": p.mfu, "stages": len(sim.plan.stages), "microbatch_size": sim.plan.microbatch_size,
+            "notes": list(sim.plan.notes)}
+    print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {load_before:.1f}, {tasks} tasks, "
+          f"phases {({k: round(v, 2) for k, v in sim.phases.items()})}, iteration {p.iteration_time_s:.3f} s",
+          flush=True)
+    return case
+
+
+def _plan_json(runner: TaskRunner) -> tuple[dict, float]:
+    job = TrainingJob(PRESETS["llama2-13b"], 1000, 4096)
+    start = time.perf_counter()
+    data = simulate(job, Cluster(50, 4, get_device("v100-32gb")), PlannerOptions(workers=2),
+                    runner=runner).to_dict()
+    data.pop("metrics")  # planner seconds differ from run to run
+    return data, time.perf_counter() - start
+
+
+def _executors() -> dict:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    plans, seconds = {}, {}
+    try:
+        for name in ("inprocess", "pool", "ray"):
+            with TaskRunner(make_executor(name, workers=2, ray_temp_dir=temp_dir)) as runner:
+                plans[name], seconds[name] = _plan_json(runner)
+            print(f"llama2-13b 50x4 through {name}: {seconds[name]:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    same = all(plans[n] == plans["inprocess"] for n in plans)
+    print("identical plans:", same)
+    return {"name": "llama2-13b 50x4 v100-32gb through every executor", "identical_json_plans": same,
+            "wall_s": seconds, "iteration_time_s": plans["inprocess"]["prediction"]["iteration_time_s"]}
+
+
+if __name__ == "__main__":
+    main()
