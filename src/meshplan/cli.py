@@ -136,6 +136,8 @@ def simulate(
     global_batch: Annotated[int, typer.Option(help="Sequences per iteration.")] = 1000,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
+    chunks: Annotated[str, typer.Option(help="Model chunks per device to plan for: 1 is 1F1B, more is "
+                                             "interleaved 1F1B.")] = "1,2,4",
     efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s kernels sustain.")] = 0.5,
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
@@ -168,7 +170,7 @@ def simulate(
     nodes, per_node = parse_cluster(cluster)
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes),
-                             reduce_scatter=reduce_scatter)
+                             reduce_scatter=reduce_scatter, chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
                         cache or None)
@@ -251,13 +253,13 @@ def cfp(
     console.print("wrote " + ", ".join(written.values()), markup=False, soft_wrap=True)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str, option: str = "--microbatch-sizes", example: str = "4,8,16") -> tuple[int, ...]:
     if not text.strip():
         return ()
     try:
         return tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise MeshplanError(f"--microbatch-sizes {text!r} is not a list of integers; write e.g. 4,8,16") from None
+        raise MeshplanError(f"{option} {text!r} is not a list of integers; write e.g. {example}") from None
 
 
 class _progress:
