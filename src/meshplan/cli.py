@@ -236,6 +236,8 @@ def cfp(
     heads: Annotated[int, typer.Option(help="Override the attention heads.")] = 0,
     ffn: Annotated[int, typer.Option(help="Override the MLP width.")] = 0,
     experts: Annotated[int, typer.Option(help="Override the MoE experts.")] = 0,
+    executor: Annotated[str, typer.Option(help="Where segments are profiled: inprocess, pool or ray.")] = "inprocess",
+    ray_address: Annotated[str, typer.Option(help="With --executor ray: local, auto or ray://HOST:PORT.")] = "local",
 ) -> None:
     """CFP: group operators into ParallelBlocks, profile each unique segment's strategy
     combinations, and search one strategy per block (see docs/cfp.md)."""
@@ -246,7 +248,7 @@ def cfp(
                      mesh=parse_mesh_shape(mesh), mode=mode.lower(), analytic=analytic, out=out, cache=cache, runs=runs,
                      warmup=warmup, memory=budget, max_combinations=max_combinations, statistic=statistic,
                      reduced=not full_size, dtype=dtype, cluster_file=cluster_file, hidden=hidden, heads=heads, ffn=ffn,
-                     experts=experts)
+                     experts=experts, executor=executor, ray_address=ray_address)
     console = Console(highlight=False)
     with _progress(enabled=True) as progress:
         written = run_cfp(request, lambda line: console.print(line, markup=False, soft_wrap=True), progress)
