@@ -7,7 +7,8 @@ Cases (the issue's targets in brackets, on 2 cores):
 - llama3.1-405b on 288x8 H100-80GB, global batch 2304 x 8192 (<= 60 s);
 - llama3.1-8b on 16x8 and llama3.1-70b on 64x8 H100-80GB, for the table in docs/scale.md.
 
-Each case records wall seconds, CPU seconds of this process and its workers, the load average
+Each case records wall seconds, CPU seconds of this process and of its pool workers, an
+estimate of the wall time on two idle cores (main CPU + workers' CPU / 2), the load average
 (other programs share the cores), planner seconds per phase, pricing tasks run and the
 prediction. With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
 a local Ray, and the JSON plans compared (planner seconds left out). Writes
@@ -52,9 +53,10 @@ def main() -> None:
     print("wrote", save("scale", cases))
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds of this process and of its finished children (the pool's workers)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system, t.children_user + t.children_system
 
 
 def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int, seq_len: int,
@@ -62,20 +64,26 @@ def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int,
     job = TrainingJob(PRESETS[model], global_batch, seq_len)
     cluster = Cluster(nodes, per_node, get_device(device))
     load_before = os.getloadavg()[0]
-    cpu, start = _cpu_seconds(), time.perf_counter()
+    (main, workers), start = _cpu_seconds(), time.perf_counter()
     with TaskRunner(make_executor(executor, workers=2)) as runner:
         sim = simulate(job, cluster, PlannerOptions(workers=2), runner=runner)
         tasks = runner.attempts
-    wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    wall = time.perf_counter() - start
+    main, workers = _cpu_seconds()[0] - main, _cpu_seconds()[1] - workers
+    cpu = main + workers
     p = sim.plan.prediction
     case = {"name": f"{model} {nodes}x{per_node} {device}", "model": model, "cluster": [nodes, per_node],
             "device": device, "global_batch": global_batch, "seq_len": seq_len, "executor": executor,
-            "planner_wall_s": wall, "planner_cpu_s": cpu, "target_s": target,
+            "planner_wall_s": wall, "planner_cpu_s": cpu, "planner_cpu_main_s": main, "planner_cpu_workers_s": workers,
+            # Wall time on 2 idle cores if the workers' CPU seconds split evenly over both and the
+            # main process waited for them (a model, not a measurement: the cores were shared).
+            "idle_two_core_estimate_s": main + workers / 2, "target_s": target,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "pricing_tasks": tasks, "phases_s": sim.phases, "iteration_time_s": p.iteration_time_s,
             "mfu": p.mfu, "stages": len(sim.plan.stages), "microbatch_size": sim.plan.microbatch_size,
             "notes": list(sim.plan.notes)}
-    print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {load_before:.1f}, {tasks} tasks, "
+    print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU ({main:.1f} main + {workers:.1f} workers; "
+          f"{main + workers / 2:.1f} s on 2 idle cores), load {load_before:.1f}, {tasks} tasks, "
           f"phases {({k: round(v, 2) for k, v in sim.phases.items()})}, iteration {p.iteration_time_s:.3f} s",
           flush=True)
     return case

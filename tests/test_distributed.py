@@ -158,27 +158,33 @@ def test_interrupted_run_resumes_from_the_cache_doing_only_the_rest(tmp_path, re
         assert runner.attempts == total - 3
 
 
-def _ray_start_problem() -> str:
+@pytest.fixture(scope="module")
+def ray_executor():
+    """A local Ray for this module's tests, or a skip saying why it cannot start here."""
     try:
         import ray  # noqa: F401
     except ImportError:
-        return "Ray is not installed (pip install 'meshplan[ray]')"
-    return ""
-
-
-@pytest.mark.slow
-def test_local_ray_plan_equals_in_process_plan(reference):
-    problem = _ray_start_problem()
-    if problem:
-        pytest.skip(problem)
+        pytest.skip("Ray is not installed (pip install 'meshplan[ray]')")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
         executor = make_executor("ray", ray_address="local", ray_temp_dir=temp_dir)
     except OptionsError as exc:
-        pytest.skip(f"Ray cannot start here: {exc}")
-    try:
-        with TaskRunner(executor) as runner:
-            assert plan_json(runner) == reference
-    finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+        pytest.skip(f"Ray cannot start here: {exc}")
+    yield executor
+    executor.close()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_local_ray_plan_equals_in_process_plan(ray_executor, reference):
+    assert plan_json(TaskRunner(ray_executor)) == reference
+
+
+@pytest.mark.slow
+def test_ray_names_a_task_failing_every_time(ray_executor):
+    tasks = [Task(f"number {x}", "", x) for x in range(5)]
+    outcomes = run_tasks(fail_on_three, tasks, TaskRunner(ray_executor, retries=1))
+    assert [o.value for o in outcomes if o.ok] == [0, 1, 2, 4]
+    assert outcomes[3].error == "ValueError: three is not allowed" and outcomes[3].attempts == 2
