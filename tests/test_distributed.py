@@ -184,7 +184,12 @@ def test_local_ray_plan_equals_in_process_plan(ray_executor, reference):
 
 @pytest.mark.slow
 def test_ray_names_a_task_failing_every_time(ray_executor):
+    def fail_on_three_here(x: int) -> int:  # a local function: Ray ships it by value (its
+        if x == 3:                           # workers cannot import the tests folder)
+            raise ValueError("three is not allowed")
+        return x
+
     tasks = [Task(f"number {x}", "", x) for x in range(5)]
-    outcomes = run_tasks(fail_on_three, tasks, TaskRunner(ray_executor, retries=1))
+    outcomes = run_tasks(fail_on_three_here, tasks, TaskRunner(ray_executor, retries=1))
     assert [o.value for o in outcomes if o.ok] == [0, 1, 2, 4]
     assert outcomes[3].error == "ValueError: three is not allowed" and outcomes[3].attempts == 2
