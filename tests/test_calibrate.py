@@ -12,8 +12,9 @@ from meshplan import MeshError
 from meshplan.cluster import Cluster, load_cluster_file
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.devices import DeviceSpec
+from meshplan.cost.kernels import KernelEfficiency
 from meshplan.files import write_json_atomic
-from meshplan.runtime.calibrate import fit_alpha_beta, profile_cluster
+from meshplan.runtime.calibrate import fit_alpha_beta, fit_gemm_curve, profile_cluster
 
 
 def test_fit_recovers_alpha_beta():
@@ -35,6 +36,18 @@ def test_measured_cluster_file_plans(tmp_path):
     assert (cluster.nodes, cluster.devices_per_node, cluster.device.memory_bytes) == (2, 4, 8e9)
     view = cluster.logical_views((2, 4))[0]
     assert view.beta == pytest.approx((1 / device["inter_bandwidth"], 1 / device["intra_bandwidth"]))
+    # The measured GEMM curve is what `simulate --efficiency-file` reads from the same file.
+    efficiency = KernelEfficiency.from_file(path)
+    assert efficiency.gemm_max == data["kernel_efficiency"]["gemm_max"] and 0 < efficiency.gemm_max <= 1
+    assert max(data["measured"]["gemm"]["flops"]) <= device["peak_flops"]
+
+
+def test_gemm_curve_fit_recovers_its_parameters():
+    truth = KernelEfficiency(gemm_max=0.7, gemm_half=120.0)
+    shapes = [(32, 32, 32), (128, 128, 128), (512, 64, 512), (1024, 1024, 1024), (4096, 4096, 256)]
+    rates = [1e12 * truth.gemm(*s) for s in shapes]
+    gemm_max, half = fit_gemm_curve(shapes, rates, 1e12)
+    assert gemm_max == pytest.approx(0.7, rel=0.02) and half == pytest.approx(120.0, rel=0.03)
 
 
 def test_bad_cluster_files_and_device_counts(tmp_path):

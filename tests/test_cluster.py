@@ -14,7 +14,8 @@ GiB = 2**30
 
 def test_device_table_values():
     a100 = get_device("a100-80gb")
-    assert a100 == DeviceSpec("a100-80gb", 312e12, 80 * GiB, 300e9, 5e-6, 25e9, 1e-5, a100.description)
+    assert a100 == DeviceSpec("a100-80gb", 312e12, 80 * GiB, 300e9, 5e-6, 25e9, 1e-5, a100.description, 2.039e12,
+                              0.0, True)
     assert get_device("A100-40GB").memory_bytes == 40 * GiB
     assert get_device("h100-80gb").peak_flops == 989e12
     assert get_device("h100-80gb").intra_bandwidth == 450e9
@@ -23,7 +24,12 @@ def test_device_table_values():
     assert (v100.peak_flops, v100.memory_bytes, v100.intra_bandwidth) == (125e12, 32 * GiB, 150e9)
     assert v100.inter_bandwidth == 1.5625e9  # 100 Gb/s per node shared by 8 GPUs
     assert get_device("v100-16gb").memory_bytes == 16 * GiB
-    assert sorted(DEVICES) == ["a100-40gb", "a100-80gb", "h100-80gb", "v100-16gb", "v100-32gb"]
+    assert sorted(DEVICES) == ["a100-40gb", "a100-40gb-pcie", "a100-80gb", "b200-192gb", "h100-80gb", "h200-141gb",
+                               "mi300x-192gb", "v100-16gb", "v100-32gb"]
+    assert get_device("h100-80gb").fp8_flops == 1979e12
+    assert get_device("mi300x-192gb").peak_flops == pytest.approx(1307.4e12)
+    assert get_device("h200-141gb").memory_bytes == 141 * GiB and get_device("b200-192gb").peak_flops == 2.25e15
+    assert not get_device("v100-32gb").flash_attention and get_device("a100-40gb-pcie").flash_attention
     assert all(name == d.name and d.description for name, d in DEVICES.items())
 
 

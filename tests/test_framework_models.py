@@ -1,6 +1,7 @@
 """Training steps of models nobody here wrote (Hugging Face Flax GPT-2 and LLaMA, a Flax nnx MLP,
-an Equinox MLP) with optax: 3 steps under every ShardParallel-family method on 8 CPU devices
-equal 3 `jax.jit` steps on one device.
+an Equinox MLP) with optax: 3 steps under every ShardParallel-family method and under whole-step
+PipeshardParallel (2 and 4 stages, automatic layers) on 8 CPU devices equal 3 `jax.jit` steps on
+one device.
 
 Tolerances: AdamW's update divides by the root of near-zero gradient statistics and magnifies the
 rounding of sums added in another order, so its steps are compared at rtol = atol = 1e-4; the SGD
@@ -16,7 +17,15 @@ import pytest
 
 from framework_models import eqx_mlp_program, gpt2, llama, lm_step, nnx_mlp_program, tokens
 from meshplan.capture import capture
-from meshplan.parallel import DataParallel, ShardParallel, TensorParallel, Zero2Parallel, Zero3Parallel, parallelize
+from meshplan.parallel import (
+    DataParallel,
+    PipeshardParallel,
+    ShardParallel,
+    TensorParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+    parallelize,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 METHODS = [ShardParallel(), DataParallel(), Zero2Parallel(), Zero3Parallel(), TensorParallel()]
@@ -70,6 +79,28 @@ def test_sgd_steps_match_one_device_at_1e_5(name):
     optimizer = optax.sgd(0.1)
     step, params, batch = program(name, optimizer)
     parallel = parallelize(step, method=DataParallel())
+    assert_trains_like_one_device(parallel, step, params, optimizer, batch, tol=1e-5, key=(name, "sgd"))
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "nnx_mlp", "eqx_mlp"])
+def test_adamw_steps_match_one_device_whole_step_pipeshard(name, layers):
+    """The step as written (gradient and AdamW inside), its loss cut into `layers` layers by FLOPs,
+    one stage of 8 / layers devices per layer, 2 micro-batches."""
+    optimizer = optax.adamw(1e-3)
+    step, params, batch = program(name, optimizer)
+    parallel = parallelize(step, method=PipeshardParallel(2, layers=layers))
+    assert_trains_like_one_device(parallel, step, params, optimizer, batch, tol=1e-4, key=(name, "adamw"))
+    plan = parallel.get_plan()
+    assert [len(s.devices) for s in plan.stages] == [8 // layers] * layers
+    assert all(s.intra_plan.unsupported_ops == () for s in plan.stages)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_sgd_steps_match_one_device_at_1e_5_whole_step_pipeshard(name):
+    optimizer = optax.sgd(0.1)
+    step, params, batch = program(name, optimizer)
+    parallel = parallelize(step, method=PipeshardParallel(2, layers=4))
     assert_trains_like_one_device(parallel, step, params, optimizer, batch, tol=1e-5, key=(name, "sgd"))
 
 

@@ -61,7 +61,7 @@ def intra(
     time_limit: Annotated[float, typer.Option(help="Solver time limit in seconds.")] = 60.0,
     share_layers: Annotated[bool, typer.Option(help="Repeated layers share one choice.")] = True,
     compare_sharing: Annotated[bool, typer.Option(help="Also solve unshared and report the difference.")] = False,
-    space: Annotated[str, typer.Option(help="Strategy space: full or alpa.")] = "full",
+    space: Annotated[str, typer.Option(help="Strategy space: full, or alpa (Alpa's lists and liveness).")] = "full",
     flops: Annotated[float, typer.Option(help="Device FLOP/s in the cost unit; 0 switches compute off.")] = 0.0,
     force_replicated_output: Annotated[bool, typer.Option(help="The output must be replicated.")] = False,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = False,
@@ -72,9 +72,14 @@ def intra(
     """Solve the intra-operator (sharding) ILP of a model's forward graph on one logical mesh."""
     logical = _mesh(mesh, mesh_alpha, mesh_beta, memory)
     graph = forward_graph(model, batch, seq_len, layers or None, force_replicated_output)
-    options = IntraOptions(
-        cost=CostModel(flops_per_second=flops or None), space=_space(space), solver=solver,
-        time_limit=time_limit, share_layers=share_layers, reduce_scatter=reduce_scatter)
+    strategy_space = _space(space)
+    alpa = strategy_space is StrategySpace.ALPA
+    # Alpa's space comes with Alpa's liveness (parameters freed after their last use) and, in
+    # its unit setting (compute off), its 2 units per replicated parameter.
+    cost = CostModel(flops_per_second=flops or None, parameters_held=not alpa,
+                     replicated_parameter_cost=2.0 if alpa and not flops else 0.0)
+    options = IntraOptions(cost=cost, space=strategy_space, solver=solver, time_limit=time_limit,
+                           share_layers=share_layers, reduce_scatter=reduce_scatter)
     if dump_lp:
         write_text_atomic(dump_lp, build_intra_problem(graph, logical, options)[1].to_lp_text())
     plan = solve_intra(graph, logical, options)
@@ -88,7 +93,9 @@ def intra(
         extra.append(f"layer sharing: shared {shared.objective:,.4f} vs unshared {unshared.objective:,.4f} "
                      f"(difference {shared.objective - unshared.objective:,.4f})")
     data = single_stage_plan(plan, "intra", model, global_batch=batch, seq_len=seq_len,
-                             options=(("strategy_space", space),), metrics=tuple(metrics.items())).to_dict()
+                             options=(("strategy_space", space),
+                                      ("liveness", "held parameters" if cost.parameters_held else "alpa")),
+                             metrics=tuple(metrics.items())).to_dict()
     if out:
         write_json_atomic(out, data)
     if json_out:
@@ -138,7 +145,8 @@ def simulate(
     microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
     chunks: Annotated[str, typer.Option(help="Model chunks per device to plan for: 1 is 1F1B, more is "
                                              "interleaved 1F1B.")] = "1,2,4",
-    efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s kernels sustain.")] = 0.5,
+    efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s non-GEMM kernels sustain.")] = 0.5,
+    gemm_curve: Annotated[bool, typer.Option(help="Price GEMMs from their (m, n, k), not at --efficiency.")] = True,
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
@@ -151,8 +159,13 @@ def simulate(
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
+    layout: Annotated[str, typer.Option(
+        help="Price this layout instead of planning, e.g. tp=8,pp=8,dp=16,vp=3,mb=1,sp=on,recompute=selective "
+             "(keys: tp pp dp cp ep vp mb sp recompute zero overlap tpo flash fp8 fp32grads).")] = "",
+    efficiency_file: Annotated[str, typer.Option(help="Kernel efficiencies (JSON) for --layout pricing.")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
+    html: Annotated[str, typer.Option(help="Also write the HTML report (charts, tables) to this file.")] = "",
 ) -> None:
     """Plan a model's training on a cluster and predict its time, throughput, MFU and memory."""
     from meshplan.cluster.cluster import Cluster, load_cluster_file, parse_cluster
@@ -169,20 +182,132 @@ def simulate(
         spec = device_from_overrides(spec, memory_bytes=parse_bytes(memory))
     nodes, per_node = parse_cluster(cluster)
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
-    options = PlannerOptions(efficiency=efficiency, workers=workers, microbatch_sizes=_ints(microbatch_sizes),
-                             reduce_scatter=reduce_scatter, chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
+    options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
+                             microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
+                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
-    runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
-                        cache or None)
-    with runner, _progress(enabled=not json_out) as progress:
-        sim = run_simulation(job, machines, options, progress, baselines, runner)
-    data = sim.to_dict()
+    if layout:
+        from meshplan.report.simulation_text import print_layout
+
+        plan = _price_layout(job, machines, layout, efficiency_file)
+        data, show = plan.to_dict(), print_layout
+    else:
+        runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
+                            cache or None)
+        with runner, _progress(enabled=not json_out) as progress:
+            sim = run_simulation(job, machines, options, progress, baselines, runner)
+        plan, data, show = sim.plan, sim.to_dict(), print_simulation
     if out:
         write_json_atomic(out, data)
+    if html:
+        from meshplan.report.html import html_report
+
+        write_text_atomic(html, html_report(plan))
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
-        print_simulation(sim.plan, Console())
+        show(plan, Console())
+
+
+@app.command()
+@user_errors
+def report(
+    plan: Annotated[str, typer.Argument(help="A plan file (simulate/intra --out) or a dump_debug_info folder.")],
+    ops: Annotated[bool, typer.Option(help="Also list the operators' strategies.")] = False,
+    layer: Annotated[int, typer.Option(help="With --ops: only this layer's operators (-1: all).")] = -1,
+    name: Annotated[str, typer.Option(help="With --ops: only operators whose name contains this.")] = "",
+    html: Annotated[str, typer.Option(help="Write the HTML report (charts, tables) to this file.")] = "",
+    partition_specs: Annotated[str, typer.Option(help="Write the parameter layouts as JAX PartitionSpecs "
+                                                      "(a Python file) and print them.")] = "",
+    chrome_trace: Annotated[str, typer.Option(help="Write the simulated schedule as Chrome trace JSON.")] = "",
+    width: Annotated[int, typer.Option(help="Columns of the terminal report (0: the terminal's).")] = 0,
+) -> None:
+    """Show what a plan decided: stages, layouts, communication, time; or export it (HTML,
+    PartitionSpecs, Chrome trace)."""
+    from meshplan.report.load import load_plan
+    from meshplan.report.text import OpFilter, print_report
+
+    loaded = load_plan(plan)
+    console = Console(width=width or None)
+    written = []
+    if partition_specs:
+        from meshplan.report.partition_specs import python_source
+
+        source = python_source(loaded)
+        write_text_atomic(partition_specs, source)
+        console.print(source, markup=False, highlight=False, soft_wrap=True)
+        written.append(partition_specs)
+    if chrome_trace:
+        from meshplan.report.timeline import chrome_trace_text
+
+        write_text_atomic(chrome_trace, chrome_trace_text(loaded))
+        written.append(chrome_trace)
+    if html:
+        from meshplan.report.html import html_report
+
+        write_text_atomic(html, html_report(loaded))
+        written.append(html)
+    if not written:
+        print_report(loaded, console, OpFilter(None if layer < 0 else layer, name) if ops or name or layer >= 0
+                     else None)
+    else:
+        err.print("wrote " + ", ".join(written), highlight=False)
+
+
+@app.command()
+@user_errors
+def diff(
+    first: Annotated[str, typer.Argument(help="Plan A (file or dump_debug_info folder).")],
+    second: Annotated[str, typer.Argument(help="Plan B.")],
+    limit: Annotated[int, typer.Option(help="Show at most this many differences (0: all).")] = 40,
+) -> None:
+    """What changed from plan A to plan B (stages, meshes, layouts, predicted time and memory),
+    largest differences first."""
+    from meshplan.report.diff import check_comparable, diff_plans
+    from meshplan.report.load import load_plan
+    from meshplan.report.tables import table
+
+    a, b = load_plan(first), load_plan(second)
+    check_comparable(a, b, first, second)
+    changes = diff_plans(a, b)
+    console = Console()
+    if not changes:
+        console.print(f"{first} and {second} plan {a.model} identically", highlight=False)
+        return
+    shown = changes if limit <= 0 else changes[:limit]
+    t = table(f"{len(changes)} difference(s) from A = {first} to B = {second}, largest first",
+              ["what", "A", "B", "size"], numeric=("size",))
+    for d in shown:
+        t.add_row(d.what, d.before, d.after, "new" if d.size == float("inf") else f"{d.size:.3g}")
+    console.print(t)
+    if len(shown) < len(changes):
+        console.print(f"... {len(changes) - len(shown)} more (--limit 0 shows all)", highlight=False)
+
+
+def _price_layout(job, machines, text: str, efficiency_file: str):
+    """`simulate --layout`: the given layout priced in closed form, next to the fastest
+    layout the search finds for the same job."""
+    from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
+    from meshplan.simulator.analytic import check_layout, price_layout, search_layouts
+    from meshplan.simulator.layout import parse_layout
+    from meshplan.simulator.simulate import layout_plan
+
+    chosen = parse_layout(text)
+    why = check_layout(job, machines, chosen)
+    if why:
+        raise MeshplanError(f"{why}; change --layout")
+    efficiency = KernelEfficiency.from_file(efficiency_file) if efficiency_file else DEFAULT_EFFICIENCY
+    priced = price_layout(job, machines, chosen, efficiency)
+    search = search_layouts(job, machines, efficiency, fp8=chosen.fp8)
+    plan = layout_plan(priced, job, machines)
+    if search.best is not None:
+        from dataclasses import replace
+
+        from meshplan.plan import BaselineSummary
+
+        auto = layout_plan(search.best, job, machines, "layout-search")
+        plan = replace(plan, baselines=(BaselineSummary("layout-search", search.best.layout.text(), auto.prediction),))
+    return plan
 
 
 @app.command("profile-cluster")
@@ -195,7 +320,9 @@ def profile_cluster(
     repeats: Annotated[int, typer.Option(help="Timed runs per measurement.")] = 5,
 ) -> None:
     """Measure collective latency/bandwidth per mesh axis and matmul throughput on the devices JAX
-    sees, and write a cluster file for `meshplan simulate --cluster-file` (use --efficiency 1)."""
+    sees, fit the GEMM efficiency curve to measured matmuls, and write a cluster file for
+    `meshplan simulate --cluster-file` (with --efficiency 1; for --layout pricing, pass the same
+    file as --efficiency-file to use the measured curve)."""
     import jax
 
     from meshplan.runtime.calibrate import profile_cluster as measure

@@ -17,8 +17,19 @@ from typing import Any
 from meshplan.errors import PlanValidationError
 from meshplan.intra.plan import IntraPlan
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: stage pieces, forward/compute/communication seconds
 SOURCES = ("simulate", "intra", "parallelize", "pipeshard", "cfp")
+
+
+@dataclass(frozen=True, slots=True)
+class StagePiece:
+    """A piece of a stage planned on its own (e.g. "embedding", "block", "head"): the layers it
+    covers and its intra-op plan (one plan for every identical layer of the range)."""
+
+    name: str
+    first_layer: int
+    last_layer: int
+    intra_plan: IntraPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +49,9 @@ class Stage:
         memory_bytes: predicted peak memory per device.
         inflight_microbatches: micro-batches whose activations the stage holds at its peak.
         sync_s, update_s: predicted gradient sync and optimizer step, once per iteration.
+        pieces: the intra-op plans of the stage's pieces, when planned piece by piece (simulate).
+        forward_s: the forward part of `latency_s` (the rest: backward, recomputation, hand-off).
+        compute_s, communication_s: the compute and the collectives and resharding of `latency_s`.
     """
 
     first_layer: int
@@ -53,6 +67,10 @@ class Stage:
     inflight_microbatches: int | None = None
     sync_s: float = 0.0
     update_s: float = 0.0
+    pieces: tuple[StagePiece, ...] = ()
+    forward_s: float | None = None
+    compute_s: float | None = None
+    communication_s: float | None = None
 
     @property
     def num_devices(self) -> int:
@@ -151,7 +169,9 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-        data["stages"] = [_stage_dict(s) for s in self.stages]
+        piece_plans: list[dict[str, Any]] = []  # each distinct piece plan once; pieces refer to it
+        data["stages"] = [_stage_dict(s, piece_plans) for s in self.stages]
+        data["piece_plans"] = piece_plans
         data["options"] = dict(self.options)
         data["metrics"] = dict(self.metrics)
         return data
@@ -176,7 +196,7 @@ class Plan:
                                       f"version {SCHEMA_VERSION}); re-plan with this version")
         try:
             return _plan(data)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise PlanValidationError(f"plan data is malformed ({type(exc).__name__}: {exc}); re-plan with this "
                                       "meshplan version") from None
 
@@ -207,12 +227,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _stage_dict(stage: Stage) -> dict[str, Any]:
-    return {f.name: _plain(getattr(stage, f.name)) for f in fields(stage)}
+def _stage_dict(stage: Stage, piece_plans: list[dict[str, Any]]) -> dict[str, Any]:
+    data = {f.name: _plain(getattr(stage, f.name)) for f in fields(stage) if f.name != "pieces"}
+    data["pieces"] = []
+    for piece in stage.pieces:
+        plan = piece.intra_plan.to_dict()
+        if plan not in piece_plans:
+            piece_plans.append(plan)
+        data["pieces"].append({"name": piece.name, "first_layer": piece.first_layer, "last_layer": piece.last_layer,
+                               "intra_plan": piece_plans.index(plan)})
+    return data
 
 
-def _stage(data: dict[str, Any]) -> Stage:
+def _stage(data: dict[str, Any], piece_plans: list[IntraPlan]) -> Stage:
     values = dict(data)
+    values["pieces"] = tuple(StagePiece(p["name"], p["first_layer"], p["last_layer"], piece_plans[p["intra_plan"]])
+                             for p in values.get("pieces", ()))
     values["devices"] = tuple(values["devices"])
     values["logical_mesh"] = tuple(values["logical_mesh"])
     values["submesh"] = None if values.get("submesh") is None else tuple(values["submesh"])
@@ -226,7 +256,8 @@ def _prediction(data: dict[str, Any] | None) -> Prediction | None:
 
 def _plan(data: dict[str, Any]) -> Plan:
     values = dict(data)
-    values["stages"] = tuple(_stage(s) for s in values["stages"])
+    piece_plans = [IntraPlan.from_dict(p) for p in values.pop("piece_plans", ())]
+    values["stages"] = tuple(_stage(s, piece_plans) for s in values["stages"])
     values["prediction"] = _prediction(values.get("prediction"))
     values["cluster"] = None if values.get("cluster") is None else tuple(values["cluster"])
     values["options"] = tuple((str(k), str(v)) for k, v in values.get("options", {}).items())

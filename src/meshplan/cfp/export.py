@@ -10,7 +10,7 @@ from meshplan.cfp.analysis import Analysis
 from meshplan.cfp.models import ModelSpec
 from meshplan.cfp.price import price, reshard
 from meshplan.cfp.search import CfpPlan
-from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
+from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
 from meshplan.intra.strategy_graph import Breakdown
 from meshplan.plan import Plan, Prediction, single_stage_plan
 
@@ -19,8 +19,8 @@ def intra_plan(analysis: Analysis, plan: CfpPlan) -> IntraPlan:
     """Every operator's strategy under `plan`; the objective is the cost model's price (the
     profile-based prediction is the Plan's). Each block is one decision group."""
     g, layouts = analysis.graph, analysis.node_strategies(plan.block_choice)
-    chosen = tuple(ChosenStrategy(n.id, n.label, n.op, n.layer, s.name, s.output, s.operands, s.collectives,
-                                  s.memory, s.compute, s.communication) for n, s in zip(g.nodes, layouts, strict=True))
+    aliased = {param for param, _ in g.aliases}
+    chosen = tuple(chosen_strategy(n, s, aliased) for n, s in zip(g.nodes, layouts, strict=True))
     moves = []
     for n in g.nodes:
         for operand, required in zip(n.operands, layouts[n.id].operands, strict=True):

@@ -37,6 +37,11 @@ class DeviceSpec:
         inter_bandwidth: bytes/s per direction per device across nodes (its share of the NICs).
         inter_latency: seconds per collective step across nodes.
         description: a short human-readable line for reports.
+        memory_bandwidth: device memory (HBM) bytes/s, which bounds element-wise kernels
+            (0: unknown; such kernels are then priced by FLOPs only).
+        fp8_flops: dense fp8 tensor-core FLOP/s (0: the device has no fp8 tensor cores).
+        flash_attention: fused attention kernels exist for the device (FlashAttention-2 needs
+            Ampere or newer; AMD's CK kernels on MI300X), so attention keeps no seq x seq values.
     """
 
     name: str
@@ -47,13 +52,16 @@ class DeviceSpec:
     inter_bandwidth: float
     inter_latency: float
     description: str = ""
+    memory_bandwidth: float = 0.0
+    fp8_flops: float = 0.0
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "intra_bandwidth", "inter_bandwidth"):
             _check_number(self.name, field, getattr(self, field), allow_zero=False)
         if self.memory_bytes != math.inf:  # inf: unlimited (devices whose memory is not modelled)
             _check_number(self.name, "memory_bytes", self.memory_bytes, allow_zero=False)
-        for field in ("intra_latency", "inter_latency"):
+        for field in ("intra_latency", "inter_latency", "memory_bandwidth", "fp8_flops"):
             _check_number(self.name, field, getattr(self, field), allow_zero=True)
 
     @property
@@ -81,14 +89,31 @@ def _check_number(device: str, field: str, value: float, allow_zero: bool) -> No
 #   override inter_bandwidth.
 # - A100: NVIDIA A100 Tensor Core GPU datasheet (SXM: 312 TFLOPS bf16, NVLink 600 GB/s
 #   total); DGX A100 user guide (one 200 Gb/s HDR InfiniBand ConnectX-6 per GPU).
-# - H100: NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, NVLink 900 GB/s
-#   total); DGX H100 user guide (one 400 Gb/s NDR InfiniBand ConnectX-7 per GPU).
+# - H100: NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense, 1,979 fp8 dense,
+#   3.35 TB/s HBM3, NVLink 900 GB/s total); DGX H100 user guide (one 400 Gb/s NDR InfiniBand
+#   ConnectX-7 per GPU).
+# - H200: NVIDIA H200 Tensor Core GPU datasheet (SXM: same tensor cores as H100, 989 TFLOPS
+#   bf16 and 1,979 fp8 dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s total); DGX H200: one
+#   400 Gb/s ConnectX-7 per GPU.
+# - B200: NVIDIA DGX B200 / HGX B200 datasheet (per GPU 2.25 PFLOPS bf16 and 4.5 PFLOPS fp8
+#   dense, i.e. half the sparse figures; 8 TB/s HBM3e; NVLink 5 1.8 TB/s total); 192 GB is the
+#   marketed size of one GPU (DGX B200 exposes 1,440 GB for 8, so read it as 180 GiB usable);
+#   eight 400 Gb/s ConnectX-7 ports per 8-GPU system.
+# - MI300X: AMD Instinct MI300X data sheet (1,307.4 TFLOPS bf16 dense, 2,614.9 fp8 dense, 192 GB
+#   HBM3 at 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s bidirectional = 448 GB/s per
+#   direction to its 7 peers); one 400 Gb/s NIC per GPU as in AMD's reference platforms.
+# - A100 PCIe 40GB: NVIDIA A100 datasheet (PCIe: 312 TFLOPS bf16, 1,555 GB/s HBM2); without
+#   NVLink bridges GPUs talk over PCIe Gen4 x16 (64 GB/s total, 32 GB/s per direction, ~25
+#   effective); a 100 Gb/s Ethernet NIC shared by 8 GPUs.
+# - HBM bandwidths: V100 900 GB/s, A100 40GB SXM 1,555 GB/s, A100 80GB SXM 2,039 GB/s
+#   (the same datasheets).
 # Latencies are typical orders of magnitude (NCCL step over NVLink ~ a few us, over IB ~10 us).
 _INTRA_LATENCY = 5e-6
 _INTER_LATENCY = 1e-5
 
 
-def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_gbit_s: float, desc: str) -> DeviceSpec:
+def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_gbit_s: float, desc: str,
+          hbm_gb_s: float, fp8_tflops: float = 0.0, flash: bool = True) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         peak_flops=tflops * 1e12,
@@ -98,15 +123,27 @@ def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_g
         inter_bandwidth=inter_gbit_s * GBIT_PER_S,
         inter_latency=_INTER_LATENCY,
         description=desc,
+        memory_bandwidth=hbm_gb_s * GB_PER_S,
+        fp8_flops=fp8_tflops * 1e12,
+        flash_attention=flash,
     )
 
 
 _TABLE = (
-    _spec("v100-16gb", 125, 16, 150, 100 / 8, "V100 SXM2 16GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)"),
-    _spec("v100-32gb", 125, 32, 150, 100 / 8, "V100 SXM2 32GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)"),
-    _spec("a100-40gb", 312, 40, 300, 200, "A100 SXM 40GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU"),
-    _spec("a100-80gb", 312, 80, 300, 200, "A100 SXM 80GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU"),
-    _spec("h100-80gb", 989, 80, 450, 400, "H100 SXM 80GB, NVLink4, 400 Gb/s NDR InfiniBand per GPU"),
+    _spec("v100-16gb", 125, 16, 150, 100 / 8, "V100 SXM2 16GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)",
+          900, flash=False),
+    _spec("v100-32gb", 125, 32, 150, 100 / 8, "V100 SXM2 32GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)",
+          900, flash=False),
+    _spec("a100-40gb", 312, 40, 300, 200, "A100 SXM 40GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU", 1555),
+    _spec("a100-40gb-pcie", 312, 40, 32, 100 / 8, "A100 PCIe 40GB, PCIe Gen4 (no NVLink), 100 Gb/s per 8-GPU node",
+          1555),
+    _spec("a100-80gb", 312, 80, 300, 200, "A100 SXM 80GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU", 2039),
+    _spec("h100-80gb", 989, 80, 450, 400, "H100 SXM 80GB, NVLink4, 400 Gb/s NDR InfiniBand per GPU", 3350, 1979),
+    _spec("h200-141gb", 989, 141, 450, 400, "H200 SXM 141GB HBM3e, NVLink4, 400 Gb/s NDR InfiniBand per GPU",
+          4800, 1979),
+    _spec("b200-192gb", 2250, 180, 900, 400, "B200 192GB (180 GiB usable), NVLink5, 400 Gb/s per GPU", 8000, 4500),
+    _spec("mi300x-192gb", 1307.4, 192, 448, 400, "AMD MI300X 192GB HBM3, Infinity Fabric, 400 Gb/s per GPU",
+          5300, 2614.9),
 )
 
 DEVICES: Mapping[str, DeviceSpec] = MappingProxyType({d.name: d for d in _TABLE})  # read-only

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from meshplan.cost.collectives import CollectiveCosts, CollectiveKind
+from meshplan.cost.kernels import KernelEfficiency
 
 
 class ReshardingRule(enum.Enum):
@@ -38,6 +39,16 @@ class CostModel:
             trades time for memory (sharded weights and optimizer state) without a budget.
         activation_price: cost per byte of every other value; a tiny price breaks ties
             between plans of equal time towards the one holding less memory.
+        parameters_held: the liveness rule of memory. True (meshplan's default): parameters
+            are the caller's buffers (weights, optimizer state, inputs), held for the whole step
+            whatever the plan, as they are on the devices; every other value lives from its
+            definition to its last use. False (Alpa's playground): every value, parameters
+            included, lives from its definition to its last use.
+        replicated_parameter_cost: cost added to a parameter's replicated strategy (Alpa's
+            playground charges 2 units, so that ties break towards sharded parameters).
+        gemm: price contractions from their local (m, n, k) with this efficiency curve at
+            `gemm_peak` FLOP/s, instead of at `flops_per_second` (None: one rate for all ops).
+        gemm_peak: the device's peak FLOP/s for the curve.
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
@@ -46,6 +57,10 @@ class CostModel:
     accumulation_weight: float = 1.0
     memory_price: float = 0.0
     activation_price: float = 0.0
+    parameters_held: bool = True
+    replicated_parameter_cost: float = 0.0
+    gemm: KernelEfficiency | None = None
+    gemm_peak: float | None = None
 
     @property
     def compute_on(self) -> bool:
@@ -54,12 +69,24 @@ class CostModel:
     def compute_cost(self, flops: float) -> float:
         return flops / self.flops_per_second if self.flops_per_second else 0.0
 
+    def contraction_cost(self, flops: float, m: float, n: float, k: float) -> float:
+        """Seconds of a local (m x k) @ (k x n) contraction (batch dims folded into m)."""
+        if not self.flops_per_second:
+            return 0.0
+        if self.gemm is None or not self.gemm_peak:
+            return self.compute_cost(flops)
+        return flops / (self.gemm_peak * self.gemm.gemm(m, n, k))
+
     @staticmethod
     def alpa_unit(forced: dict[CollectiveKind, float] | None = None) -> CostModel:
-        """Alpa's playground cost units: truncated alpha-beta terms, tie constants, compute off."""
+        """Alpa's playground cost units: truncated alpha-beta terms, tie constants, compute off,
+        2 units per replicated parameter, and its liveness rule (parameters freed after their
+        last use), so objectives and memory-budget boundaries equal its solver's."""
         return CostModel(
             CollectiveCosts(truncate=True, tie_constants=True, alpa_all_to_all=True,
                             forced=tuple(sorted((forced or {}).items(), key=lambda kv: kv[0].value))),
             flops_per_second=None,
             resharding=ReshardingRule.ALPA,
+            parameters_held=False,
+            replicated_parameter_cost=2.0,
         )

@@ -6,6 +6,7 @@ package imports neither models nor the runtime.
 """
 
 from meshplan.inter.costs import LayerCost, LayerCosts, TrainingParts, ViewCosts, layer_cost
+from meshplan.inter.layers import cluster_layers, layer_flops
 from meshplan.inter.schedules import SCHEDULES, Event, Phase, Schedule, get_schedule, make_schedule, timeline
 from meshplan.inter.search import InterOptions, InterPlan, plan_pipeline
 from meshplan.inter.stages import StageEstimate
@@ -22,8 +23,10 @@ __all__ = [
     "StageEstimate",
     "TrainingParts",
     "ViewCosts",
+    "cluster_layers",
     "get_schedule",
     "layer_cost",
+    "layer_flops",
     "make_schedule",
     "plan_pipeline",
     "timeline",

@@ -65,7 +65,7 @@ def _add_edge(costs: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
 
 
 def _memory(sg: StrategyGraph, node_of: dict[int, int]) -> MemoryTerms:
-    first, last = live_ranges(sg.graph)
+    first, last = live_ranges(sg.graph, sg.model.parameters_held)
     terms = [(v, sg.memory(v)) for v in range(len(sg.graph))]
     terms = [(v, use) for v, use in terms if use.any()]
     if not terms:

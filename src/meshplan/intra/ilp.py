@@ -183,8 +183,9 @@ def _add_aliases(sg: StrategyGraph, lp: LinearProgram, expr: _Expr) -> None:
 def _add_memory(sg: StrategyGraph, lp: LinearProgram, expr: _Expr, budget: float | None,
                 minimize_memory: bool) -> None:
     graph = sg.graph
-    params = {n.id for n in graph.nodes if n.kind is OpKind.PARAMETER}
-    # Parameters are live at every point: count them once, in one auxiliary variable.
+    # Parameters held for the whole step are live at every point: count them once, in one
+    # auxiliary variable. Under Alpa's liveness they are ordinary values of the live sets.
+    params = {n.id for n in graph.nodes if n.kind is OpKind.PARAMETER} if sg.model.parameters_held else set()
     mem_params = lp.add_var("mem_params", upper=float("inf"))
     terms: dict[int, float] = {mem_params: 1.0}
     constant = 0.0

@@ -22,6 +22,7 @@ import scipy.sparse as sparse
 from meshplan.intra.memory import MemoryRows, chain_block, row_loads
 from meshplan.intra.problem import Ragged
 from meshplan.intra.program import LinearProgram
+from meshplan.intra.solvers import quiet_highs
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +223,7 @@ def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = Non
     import highspy
 
     begin = time.perf_counter()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("time_limit", max(float(time_limit), 0.01))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", int(threads))

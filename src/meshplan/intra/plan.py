@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,12 +11,18 @@ from meshplan.cost.collectives import Collective
 from meshplan.errors import PlanValidationError
 from meshplan.intra.solvers import SolveResult, SolveStatus
 from meshplan.intra.strategy_graph import Breakdown
+from meshplan.ir.node import Node
 from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.strategy import Strategy
 
 
 @dataclass(frozen=True, slots=True)
 class ChosenStrategy:
-    """One node's decision: strategy name, output spec, required operand specs, collectives."""
+    """One node's decision: strategy name, output spec, required operand specs, collectives.
+
+    `shape`, `operand_ids` and `tags` (a subset of NODE_TAGS) repeat the node's graph facts so a
+    plan can be read alone (empty in plans written before they were recorded).
+    """
 
     node: int
     name: str
@@ -28,6 +35,24 @@ class ChosenStrategy:
     memory: float
     compute: float = 0.0
     communication: float = 0.0
+    shape: tuple[int, ...] = ()
+    operand_ids: tuple[int, ...] = ()
+    tags: tuple[str, ...] = ()
+
+
+# Graph facts a report needs to read a plan without its graph (ChosenStrategy.tags).
+NODE_TAGS = ("batch_input", "aliased", "accumulated", "per_iteration")
+
+
+def chosen_strategy(node: Node, strategy: Strategy, aliased: Collection[int] = ()) -> ChosenStrategy:
+    """The record of `strategy` chosen for `node`; `aliased`: the graph's aliased parameter ids."""
+    facts = {"batch_input": bool(node.attr("batch_input")) or node.attr("batch_dim") is not None,
+             "aliased": node.id in aliased, "accumulated": bool(node.attr("accumulated")),
+             "per_iteration": bool(node.attr("per_iteration"))}
+    s = strategy
+    return ChosenStrategy(node.id, node.label, node.op, node.layer, s.name, s.output, s.operands, s.collectives,
+                          s.memory, s.compute, s.communication, node.shape, node.operands,
+                          tuple(tag for tag in NODE_TAGS if facts[tag]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +134,8 @@ class IntraPlan:
             "nodes": [{"id": n.node, "name": n.name, "op": n.op, "layer": n.layer, "strategy": n.strategy,
                        "output": str(n.output), "operands": [str(o) for o in n.operands],
                        "collectives": [c.to_dict() for c in n.collectives], "memory_bytes": n.memory,
-                       "compute": n.compute, "communication": n.communication}
+                       "compute": n.compute, "communication": n.communication, "shape": list(n.shape),
+                       "operand_ids": list(n.operand_ids), "tags": list(n.tags)}
                       for n in self.nodes],
             "reshardings": [{"producer": r.producer, "consumer": r.consumer, "consumer_id": r.consumer_id,
                              "src": str(r.src), "dst": str(r.dst),
@@ -152,7 +178,8 @@ def _chosen(data: dict[str, Any]) -> ChosenStrategy:
     return ChosenStrategy(data["id"], data["name"], data["op"], data["layer"], data["strategy"],
                           ShardingSpec.parse(data["output"]), tuple(ShardingSpec.parse(o) for o in data["operands"]),
                           tuple(Collective.from_dict(c) for c in data["collectives"]), data["memory_bytes"],
-                          data["compute"], data["communication"])
+                          data["compute"], data["communication"], tuple(data.get("shape", ())),
+                          tuple(data.get("operand_ids", ())), tuple(data.get("tags", ())))
 
 
 def _resharding(data: dict[str, Any]) -> Resharding:

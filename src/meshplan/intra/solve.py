@@ -12,7 +12,7 @@ from meshplan.intra.graph_problem import graph_problem
 from meshplan.intra.ilp import VariableMap, build_ilp
 from meshplan.intra.layers import shared_groups
 from meshplan.intra.options import IntraOptions
-from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
+from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
 from meshplan.intra.problem_solver import ProblemOptions, solve_problem
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
@@ -156,10 +156,10 @@ def _plan(sg: StrategyGraph, group_choice: dict[int, int], result: SolveResult, 
     graph = sg.graph
     choice = sg.node_choices(group_choice)
     chosen, reshardings = [], []
+    aliased = {param for param, _ in graph.aliases}
     for node in graph.nodes:
         s = sg.nodes[node.id].strategies[choice[node.id]]
-        chosen.append(ChosenStrategy(node.id, node.label, node.op, node.layer, s.name, s.output, s.operands,
-                                     s.collectives, s.memory, s.compute, s.communication))
+        chosen.append(chosen_strategy(node, s, aliased))
         for operand, required in zip(node.operands, s.operands, strict=True):
             produced = sg.nodes[operand].strategies[choice[operand]].output
             collectives = sg.reshard(operand, produced, required)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +68,36 @@ def _gap(objective: float | None, bound: float | None) -> float | None:
     return max(0.0, objective - bound) / max(abs(objective), 1e-9)
 
 
+_banner_shown = False
+
+
+def quiet_highs():
+    """A `highspy.Highs` that prints nothing on standard output.
+
+    HiGHS 1.16 prints its banner from C++ when the first instance of a process is made, before any
+    option can silence it; that would corrupt `--json` output, so the first construction runs with
+    the process's C-level stdout pointed at stderr.
+    """
+    global _banner_shown
+    import highspy
+
+    if _banner_shown:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+            h = highspy.Highs()
+            ctypes.CDLL(None).fflush(None)  # push the C library's buffered banner out while fd 1 is stderr
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _banner_shown = True
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 @register_backend("highs")
 def solve_with_highs(lp: LinearProgram, time_limit: float, mip_gap: float) -> SolveResult:
     try:
@@ -72,8 +105,7 @@ def solve_with_highs(lp: LinearProgram, time_limit: float, mip_gap: float) -> So
     except ImportError as exc:  # pragma: no cover - highspy is a dependency
         raise SolverError("the HiGHS backend needs highspy: pip install highspy") from exc
     start = time.perf_counter()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", 1)
@@ -160,3 +192,4 @@ def solve_with_cbc(lp: LinearProgram, time_limit: float, mip_gap: float) -> Solv
     if prob.sol_status == pulp.LpSolutionOptimal:
         return SolveResult(SolveStatus.OPTIMAL, objective, objective, 0.0, wall, "cbc", values)
     return SolveResult(SolveStatus.FEASIBLE, objective, None, None, wall, "cbc", values)
+

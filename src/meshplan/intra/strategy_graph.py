@@ -160,7 +160,7 @@ def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
         g = leader[node_id]
         for i, s in enumerate(nodes[node_id].strategies):
             sg.resharding[g][i] += sg.reshard_cost(node_id, s.output, ShardingSpec.replicated(s.output.rank))
-    sg.live_sets = live_sets(graph)
+    sg.live_sets = live_sets(graph, model.parameters_held)
     _add_aliases(sg)
     return sg
 
@@ -250,11 +250,13 @@ def dominated_choices(sg: StrategyGraph, canon: dict[int, int], excluded: dict[i
     return dominated
 
 
-def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
+def live_ranges(graph: Graph, parameters_held: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per node, the first and last program point (inclusive) at which its value is held.
 
-    A value lives from its definition to its last use; parameters (weights, optimizer state,
-    inputs) are held for the whole step, outputs to the end.
+    A value lives from its definition to its last use, outputs to the end. With
+    `parameters_held` (the default), parameters (weights, optimizer state, inputs) are held for
+    the whole step: they are the caller's buffers. Without it (Alpa's rule) a parameter lives
+    from its position to its last use like any value.
     """
     n = len(graph)
     last_use = np.arange(n)
@@ -263,16 +265,18 @@ def live_ranges(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
             last_use[operand] = max(last_use[operand], node.id)
     for out in graph.outputs:
         last_use[out] = n - 1
+    if not parameters_held:
+        return np.arange(n, dtype=np.int64), last_use
     for node in graph.parameters():
         last_use[node.id] = n - 1
     first = np.array([0 if node.kind.value == "parameter" else node.id for node in graph.nodes], dtype=np.int64)
     return first, last_use
 
 
-def live_sets(graph: Graph) -> tuple[frozenset[int], ...]:
+def live_sets(graph: Graph, parameters_held: bool = True) -> tuple[frozenset[int], ...]:
     """Per program point t, the values held while node t runs (see `live_ranges`)."""
     n = len(graph)
-    first, last_use = live_ranges(graph)
+    first, last_use = live_ranges(graph, parameters_held)
     starts: list[list[int]] = [[] for _ in range(n)]
     ends: list[list[int]] = [[] for _ in range(n)]
     for v in range(n):

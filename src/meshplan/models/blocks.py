@@ -78,25 +78,29 @@ def attention(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str) -> i
     return _bias(b, out, f"{prefix}.out_bias") if cfg.mlp == "gelu" else out
 
 
-def mlp(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str) -> int:
+def mlp(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str, width: int | None = None) -> int:
+    """The dense MLP (SwiGLU or GELU with biases) of `width` (default: cfg.ffn)."""
     hidden, dtype = b.shape(x)[2], b.node(x).dtype
-    up = b.dot(x, b.parameter((hidden, cfg.ffn), dtype, name=f"{prefix}.w1"), (2,), (0,), name=f"{prefix}.up")
+    width = width or cfg.ffn
+    up = b.dot(x, b.parameter((hidden, width), dtype, name=f"{prefix}.w1"), (2,), (0,), name=f"{prefix}.up")
     if cfg.mlp == "swiglu":
-        gate = b.dot(x, b.parameter((hidden, cfg.ffn), dtype, name=f"{prefix}.w3"), (2,), (0,),
+        gate = b.dot(x, b.parameter((hidden, width), dtype, name=f"{prefix}.w3"), (2,), (0,),
                      name=f"{prefix}.gate")
         act = b.mul(b.mul(gate, b.logistic(gate)), up)
     else:
         act = _gelu(b, _bias(b, up, f"{prefix}.b1"))
-    down = b.dot(act, b.parameter((cfg.ffn, hidden), dtype, name=f"{prefix}.w2"), (2,), (0,), name=f"{prefix}.down")
+    down = b.dot(act, b.parameter((width, hidden), dtype, name=f"{prefix}.w2"), (2,), (0,), name=f"{prefix}.down")
     return down if cfg.mlp == "swiglu" else _bias(b, down, f"{prefix}.b2")
 
 
 def moe_mlp(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str) -> int:
     """GShard mixture of experts: top-k gating, dispatch to expert capacity slots, expert FFNs
-    batched over experts, combine. Sharding the expert dim makes the dispatch an all-to-all."""
+    (SwiGLU or GELU, as the dense MLP) batched over experts, combine; plus the shared experts
+    every token runs through (DeepSeek-MoE) as one dense MLP of their summed width. Sharding
+    the expert dim makes the dispatch an all-to-all."""
     batch, seq, hidden = b.shape(x)
     dtype = b.node(x).dtype
-    experts = cfg.experts
+    experts, width = cfg.experts, cfg.expert_width
     capacity = max(1, math.ceil(cfg.top_k * cfg.capacity_factor * seq / experts))
     gates = _softmax(b, b.dot(x, b.parameter((hidden, experts), dtype, name=f"{prefix}.gate"), (2,), (0,),
                               name=f"{prefix}.router"))  # [b, s, E]
@@ -108,11 +112,20 @@ def moe_mlp(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str) -> int
     combine = b.select(chosen, spread, b.zeros(slots, dtype))
     dispatch = b.select(chosen, b.full(slots, 1.0, dtype), b.zeros(slots, dtype))
     expert_in = b.dot(dispatch, x, (1,), (1,), (0,), (0,), name=f"{prefix}.dispatch")  # [b, E, C, h]
-    w1 = b.parameter((experts, hidden, cfg.ffn), dtype, name=f"{prefix}.experts.w1")
-    h1 = _gelu(b, b.dot(expert_in, w1, (3,), (1,), (1,), (0,), name=f"{prefix}.experts.up"))  # [E, b, C, f]
-    w2 = b.parameter((experts, cfg.ffn, hidden), dtype, name=f"{prefix}.experts.w2")
+    w1 = b.parameter((experts, hidden, width), dtype, name=f"{prefix}.experts.w1")
+    h1 = b.dot(expert_in, w1, (3,), (1,), (1,), (0,), name=f"{prefix}.experts.up")  # [E, b, C, f]
+    if cfg.mlp == "swiglu":
+        w3 = b.parameter((experts, hidden, width), dtype, name=f"{prefix}.experts.w3")
+        gate = b.dot(expert_in, w3, (3,), (1,), (1,), (0,), name=f"{prefix}.experts.gate")
+        h1 = b.mul(b.mul(gate, b.logistic(gate)), h1)
+    else:
+        h1 = _gelu(b, h1)
+    w2 = b.parameter((experts, width, hidden), dtype, name=f"{prefix}.experts.w2")
     h2 = b.dot(h1, w2, (3,), (1,), (0,), (0,), name=f"{prefix}.experts.down")  # [E, b, C, h]
-    return b.dot(combine, h2, (2, 3), (0, 2), (0,), (1,), name=f"{prefix}.combine")  # [b, s, h]
+    out = b.dot(combine, h2, (2, 3), (0, 2), (0,), (1,), name=f"{prefix}.combine")  # [b, s, h]
+    if cfg.shared_experts:
+        out = b.add(out, mlp(b, x, cfg, f"{prefix}.shared", cfg.shared_experts * width))
+    return out
 
 
 def block(b: GraphBuilder, x: int, cfg: TransformerConfig, index: int) -> int:

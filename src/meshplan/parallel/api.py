@@ -28,7 +28,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
     Args:
         fn: a JAX-traceable function of pytrees of arrays.
         method: ShardParallel() (default), DataParallel(), Zero2Parallel(), Zero3Parallel(),
-            TensorParallel() or PipeshardParallel(...) (for a loss function cut into layers).
+            TensorParallel() or PipeshardParallel(...) (a whole train step pipelined over
+            stages, or a loss function cut into layers by mark_pipeline_boundary).
         devices: the devices to use; defaults to `jax.devices()`.
         batch_argnums: positions of the arguments whose leading dim is the batch (split by the
             data-parallel methods), as in Alpa. Default None: inferred from the program
@@ -58,12 +59,13 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
             "Zero2Parallel(), Zero3Parallel(), TensorParallel() or PipeshardParallel(...)")
 
     def wrap(f: Callable[..., Any]) -> SpmdFunction | PipeshardFunction:
-        if isinstance(method, PipeshardParallel):  # a loss fn with boundaries: pipelined (loss, grads)
+        if isinstance(method, PipeshardParallel):  # a train step, or a loss fn with boundaries
             if donated:
                 raise OptionsError(f"parallelize(method=PipeshardParallel(...), donate_argnums={donated!r}): "
-                                   "a pipelined loss function returns (loss, grads), no updated state that could "
-                                   "reuse its arguments' buffers; drop donate_argnums")
-            return PipeshardFunction(f, method, devices, costs)
+                                   "pipelined functions do not donate buffers yet (stages hold copies of their "
+                                   "weights); drop donate_argnums")
+            jitted = hasattr(f, "lower") and hasattr(f, "__wrapped__")  # a jax.jit step: trace the Python function
+            return PipeshardFunction(f.__wrapped__ if jitted else f, method, devices, costs, argnums)
         return SpmdFunction(f, method, devices, argnums, donated, costs)
 
     return wrap if fn is None else wrap(fn)

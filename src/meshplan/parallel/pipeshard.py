@@ -1,8 +1,11 @@
 """PipeshardParallel: the options of Alpa's pipeshard method, and the stages they give.
 
-`parallelize(loss_fn, method=PipeshardParallel(...))` cuts `loss_fn(params, x, targets)` at its
-`mark_pipeline_boundary` calls into layers (`params[k]` is layer k's), groups consecutive layers
-into stages, gives each stage its own sub-mesh and runs micro-batches through them
+`parallelize(step, method=PipeshardParallel(...))` on a whole train step (gradient and optimizer
+update inside) cuts the step's loss into layers, at its `mark_pipeline_boundary` calls or
+automatically by FLOPs (`layers`), and applies the update per stage
+(meshplan.parallel.pipeshard_step). On a loss function `loss_fn(params, x, targets)` it cuts at
+the marks (`params[k]` is layer k's) and returns `(loss, grads)`. Either way consecutive layers
+are grouped into stages, each stage gets its own sub-mesh and micro-batches run through them
 (meshplan.parallel.pipeshard_function). Stages are one per layer on equal device groups
 ("uniform"), chosen by the inter-op pass (meshplan.parallel.stage_pricing, "auto"), or explicit.
 Pure Python: no JAX here.
@@ -62,6 +65,11 @@ class PipeshardParallel:
 
     Attributes:
         num_micro_batches: how many equal micro-batches each call cuts the batch into.
+        layers: how a whole train step's loss is cut into layers. "auto": at its
+            `mark_pipeline_boundary` calls if it has any, else by FLOPs into one layer per
+            explicit stage, the smallest divisor > 1 of the device count for "uniform" stages,
+            or min(devices, 4) layers for "auto" stages; an int N: N layers balanced by FLOPs
+            (Alpa's AutoLayerOption(layer_num=N)). A loss function's layers are its params entries.
         stages: "uniform": one stage per layer, the devices split into equal contiguous groups;
             "auto": the inter-op search groups layers into stages and sizes their sub-meshes;
             or one entry per stage: a PipeshardStage, or a tuple of device indices (then stage
@@ -75,6 +83,7 @@ class PipeshardParallel:
     """
 
     num_micro_batches: int
+    layers: Literal["auto"] | int = "auto"
     stages: Literal["uniform", "auto"] | tuple[StageSpec, ...] = "uniform"
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     stage_sharding: Literal["auto", "data_parallel", "replicated"] = "auto"
@@ -83,6 +92,10 @@ class PipeshardParallel:
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
             raise OptionsError(f"PipeshardParallel(num_micro_batches={self.num_micro_batches!r}): use an int >= 1")
+        if self.layers != "auto" and (isinstance(self.layers, bool) or not isinstance(self.layers, int)
+                                      or self.layers < 1):
+            raise OptionsError(f"PipeshardParallel(layers={self.layers!r}): use 'auto' or an int >= 1 (how many "
+                               f"layers the loss is cut into, balanced by FLOPs)")
         if self.schedule not in RUNNABLE_SCHEDULES:
             raise OptionsError(f"PipeshardParallel(schedule={self.schedule!r}): use one of {list(RUNNABLE_SCHEDULES)}")
         if self.stage_sharding not in STAGE_SHARDINGS:
@@ -149,7 +162,8 @@ def _check_explicit(stages: tuple[StageAssignment, ...], num_layers: int, num_de
         expected = stage.last + 1
     if expected != num_layers:
         raise MeshError(f"PipeshardParallel(stages=...) covers {expected} layers but the function has {num_layers} "
-                        f"(one per params entry); give stages covering every layer (a device tuple per layer, or "
+                        f"(one per params entry of a loss function, or PipeshardParallel(layers=...) of a train "
+                        f"step); give stages covering every layer (a device tuple per layer, or "
                         f"PipeshardStage(layers=(first, last), devices=...))")
     owner: dict[int, int] = {}
     for k, stage in enumerate(stages):
@@ -163,3 +177,12 @@ def _check_explicit(stages: tuple[StageAssignment, ...], num_layers: int, num_de
                 raise MeshError(f"PipeshardParallel device index {i} is in stages {owner[i]} and {k}; "
                                 f"give each stage a disjoint set of devices")
             owner[i] = k
+
+
+def auto_layer_count(method: PipeshardParallel, num_devices: int) -> int:
+    """How many layers `layers="auto"` clusters an unmarked train step's loss into (see PipeshardParallel)."""
+    if method.stages == "uniform":
+        return next((d for d in range(2, num_devices + 1) if num_devices % d == 0), 1)
+    if method.stages == "auto":
+        return min(num_devices, 4)
+    return max(s.layers[1] + 1 if isinstance(s, PipeshardStage) else k + 1 for k, s in enumerate(method.stages))

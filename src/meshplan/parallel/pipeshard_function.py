@@ -11,30 +11,44 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from meshplan.capture import capture, find_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
-from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, stage_assignments
+from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, auto_layer_count, stage_assignments
+from meshplan.parallel.pipeshard_step import (
+    LossProgram,
+    TracedStep,
+    UpdateRunner,
+    loss_program,
+    on_mesh,
+    same_gradient,
+    summed,
+    trace_step,
+    update_pieces,
+)
 from meshplan.parallel.stage_pricing import StageSearch, search_stages
 from meshplan.plan import Plan, Prediction, Stage
-from meshplan.runtime.abstract import chain_inputs, shapes_of
+from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
-from meshplan.runtime.pipeline import Pipeline, run_pipeline
+from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
+from meshplan.runtime.pipeline import Pipeline, run_micro_batches, run_pipeline
 from meshplan.runtime.sharded import axis_names
 from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class _Compiled:
     """Everything one input signature produced."""
 
@@ -45,24 +59,45 @@ class _Compiled:
     example_inputs: tuple[tuple[Any, ...], ...]  # per stage: ShapeDtypeStructs of its forward's arguments
 
 
-class PipeshardFunction(ParallelizedFunction[_Compiled]):
-    """`loss_fn` run as a pipeline; call `f(params, x, targets) -> (loss, grads)`."""
+@dataclass(frozen=True, slots=True)
+class _StepCompiled:
+    """Everything one input signature of a whole train step produced."""
+
+    parts: _Compiled  # the pipelined loss
+    step: TracedStep  # at full-batch shapes
+    loss: LossProgram  # at micro-batch shapes
+    layers: LossLayers
+    batch: dict[int, int]  # flat step input -> its batch dim
+    owners: dict[int, tuple[int, ...]]  # differentiated step input -> the stages whose layers read it
+    update: UpdateRunner
+
+
+class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
+    """A whole train step, or a loss function cut by `mark_pipeline_boundary`, run as a pipeline.
+
+    Call a train step as the step itself: `f(state, batch) -> (new_state, metrics)`; a loss
+    function as `f(params, x, targets) -> (loss, grads)`.
+    """
 
     def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
-                 costs: DeviceCosts | None = None) -> None:
+                 costs: DeviceCosts | None = None, batch_argnums: tuple[int, ...] | None = None) -> None:
         super().__init__(fn, method, devices, costs)
+        self.batch_argnums = batch_argnums
         self._events: tuple[Event, ...] = ()
 
-    def __call__(self, params: Sequence[Any], x: Any, targets: Any) -> tuple[jax.Array, Any]:
-        """Loss and grads, equal to `jax.value_and_grad(loss_fn)(params, x, targets)`.
+    def __call__(self, *args: Any) -> Any:
+        """The step's results (a train step), or loss and grads equal to
+        `jax.value_and_grad(loss_fn)(params, x, targets)` (a loss function).
 
-        Grads come back as a list (a tuple if `params` is one), one entry per layer; layer k's
-        live on the sub-mesh of the stage that holds it, laid out like its params.
+        A loss function's grads come back as a list (a tuple if `params` is one), one entry per
+        layer; layer k's live on the sub-mesh of the stage that holds it, laid out like its
+        params. A train step's new weights and optimizer state live on the stage that updated
+        them.
         """
-        if not isinstance(params, (list, tuple)) or not params:
-            raise OptionsError(f"{self.__name__} was called with params of type {type(params).__name__}; "
-                               f"PipeshardParallel needs a non-empty list with one params pytree per layer")
-        compiled = self._compiled((params, x, targets))
+        compiled = self._compiled(args)
+        if isinstance(compiled, _StepCompiled):
+            return self._run_step(compiled, args)
+        params, x, targets = args
         per_stage = [tuple(params[s.first:s.last + 1]) for s in compiled.stages]
         result = run_pipeline(compiled.pipeline, per_stage, x, targets, self.method.num_micro_batches,
                               self.method.schedule)
@@ -86,21 +121,22 @@ class PipeshardFunction(ParallelizedFunction[_Compiled]):
 
     def get_layouts(self) -> tuple[StageLayout, ...]:
         """Where each stage of the last call keeps its values (jitted stage functions included)."""
-        return self._require_last().pipeline.layouts
+        return _parts(self._require_last()).pipeline.layouts
 
     def get_stage_search(self) -> StageSearch | None:
         """What the inter-op pass chose and from which layer costs (stages="auto"; else None)."""
-        return self._require_last().search
+        return _parts(self._require_last()).search
 
-    def _plan_of(self, compiled: _Compiled) -> Plan:
-        return compiled.plan
+    def _plan_of(self, compiled: _Compiled | _StepCompiled) -> Plan:
+        return _parts(compiled).plan
 
-    def _debug_files(self, compiled: _Compiled) -> dict[str, DebugFile]:
+    def _debug_files(self, compiled: _Compiled | _StepCompiled) -> dict[str, DebugFile]:
         """Per stage k, stage_<k>_forward.hlo.txt (the compiled forward at micro-batch shapes) and
         stage_<k>_memory.txt (its memory analysis); plan.json (the Plan); placements.json (per
         stage its forward's input and output shardings and compile diagnostics; the last call's
         steps as "F0.1": phase, stage, micro-batch). A stage whose forward XLA had to fully
         rematerialize raises a RematerializationWarning."""
+        compiled = _parts(compiled)
         files: dict[str, DebugFile] = {}
         placements = []
         for k, example in enumerate(compiled.example_inputs):
@@ -115,21 +151,115 @@ class PipeshardFunction(ParallelizedFunction[_Compiled]):
         files["placements.json"] = {"stages": placements, "events": [e.label for e in self._events]}
         return files
 
-    def _build(self, args: tuple[Any, ...]) -> _Compiled:
-        params, x, targets = args
-        method = self.method
+    def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled:
         if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
             raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
                                f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
                                f"Zero2Parallel, Zero3Parallel or TensorParallel across processes")
         devices = list(self.devices) if self.devices is not None else jax.devices()
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
-        micro_x, micro_t = (_micro_example(t, name, method.num_micro_batches)
+        step = trace_step(self.fn, args, self.__name__)
+        if step is not None:
+            return self._build_step(args, step, devices)
+        if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
+            raise OptionsError(
+                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call without has_aux while "
+                f"tracing) and is not a loss function called as f(params, x, targets) with one params entry per "
+                f"layer; PipeshardParallel pipelines a whole train step that takes its gradient with "
+                f"jax.grad/jax.value_and_grad (e.g. `loss, grads = jax.value_and_grad(loss_fn)(params, batch)`), "
+                f"or such a loss function")
+        if self.method.layers != "auto":
+            raise OptionsError(f"PipeshardParallel(layers={self.method.layers!r}) cuts a whole train step's loss; "
+                               f"{self.__name__} is a loss function, whose layers are its params entries: drop layers")
+        params, x, targets = args
+        micro_x, micro_t = (_micro_example(t, name, self.method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
         layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
+        return self._pipelined(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, devices)
+
+    def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
+        """Cut the step's loss into layers at micro-batch shapes, pipeline them, place the update."""
+        method, name = self.method, self.__name__
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        batch = self._batch_dims(args, leaves)
+        micro_leaves = [_micro_shape(leaf, batch.get(i), method.num_micro_batches) for i, leaf in enumerate(leaves)]
+        micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), name)
+        same_gradient(step, micro, name)
+        loss = loss_program(micro, name)
+        marks = count_marks(loss.closed)
+        if marks and method.layers not in ("auto", marks + 1):
+            raise OptionsError(f"{name}'s loss marks {marks + 1} layers with mark_pipeline_boundary but "
+                               f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
+                               f"or remove the marks to cut into {method.layers} layers by FLOPs")
+        count = None if marks else method.layers if method.layers != "auto" else auto_layer_count(method,
+                                                                                                   len(devices))
+        layers = split_loss(loss.closed, loss.weights, count)
+        layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
+        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
+        parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices)
+        stage_of_layer = {k: j for j, s in enumerate(parts.stages) for k in range(s.first, s.last + 1)}
+        owners: dict[int, tuple[int, ...]] = {}
+        for k, weights in enumerate(layers.weights):
+            for p in weights:
+                owners.setdefault(loss.inputs[p], ())
+                owners[loss.inputs[p]] += (stage_of_layer[k],)
+        jaxpr = step.closed.jaxpr
+        gradient = jaxpr.eqns[step.gradient.index]
+        home = lambda leaf: min(owners.get(leaf, (0,)))
+        homes = {gradient.outvars[0]: len(parts.stages) - 1}
+        homes.update((gradient.outvars[1 + j], home(leaf)) for j, leaf in enumerate(step.differentiated))
+        homes.update((jaxpr.invars[leaf], home(leaf)) for leaf in step.differentiated)
+        update = UpdateRunner(step, update_pieces(step, homes), parts.pipeline.stage_meshes)
+        return _StepCompiled(parts, step, loss, layers, batch, owners, update)
+
+    def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
+        """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
+        count = self.method.num_micro_batches
+        batch = find_batch_inputs(capture(self.fn, *args, name=self.__name__), self.batch_argnums, self.__name__)
+        if not batch.dims:
+            raise OptionsError(f"PipeshardParallel cuts the batch of {self.__name__} into micro-batches, but no input "
+                               f"looks like a batch (all are updated by the step, or hold no array); pass "
+                               f"parallelize(..., batch_argnums=(i, ...)) with the positions of the batch arguments")
+        for i, d in batch.dims:
+            size = np.shape(leaves[i])[d]
+            if size % count:
+                raise OptionsError(f"{self.__name__}'s batch input {i} (shape {np.shape(leaves[i])}) has {size} "
+                                   f"examples along dim {d}, which do not split into {count} equal micro-batches; "
+                                   f"use a PipeshardParallel(num_micro_batches=...) that divides {size}")
+        return dict(batch.dims)
+
+    def _run_step(self, compiled: _StepCompiled, args: tuple[Any, ...]) -> Any:
+        parts, loss, layers = compiled.parts, compiled.loss, compiled.layers
+        leaves = jax.tree_util.tree_leaves(args)
+        per_stage = [tuple(tuple(leaves[loss.inputs[p]] for p in layers.weights[k])
+                           for k in range(s.first, s.last + 1)) for s in parts.stages]
+        count = self.method.num_micro_batches
+        rest = [loss.inputs[p] for p in range(len(loss.inputs)) if p not in loss.weights]
+        inputs = [tuple(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest) for m in range(count)]
+        result = run_micro_batches(parts.pipeline, per_stage, inputs, [()] * count, self.method.schedule)
+        self._events = result.events
+        contributions: dict[int, list[Any]] = {}
+        for j, s in enumerate(parts.stages):
+            for k, grads in zip(range(s.first, s.last + 1), result.grads[j], strict=True):
+                for p, g in zip(layers.weights[k], grads, strict=True):
+                    contributions.setdefault(loss.inputs[p], []).append(g)
+        jaxpr = compiled.step.closed.jaxpr
+        gradient = jaxpr.eqns[compiled.step.gradient.index]
+        env = dict(zip(jaxpr.invars, leaves, strict=True))
+        env[gradient.outvars[0]] = result.loss
+        for j, leaf in enumerate(compiled.step.differentiated):
+            got = contributions.get(leaf)
+            env[gradient.outvars[1 + j]] = summed(got) if got else on_mesh(
+                jnp.zeros(np.shape(leaves[leaf]), leaves[leaf].dtype), parts.pipeline.stage_meshes[0])
+        return compiled.update(env)
+
+    def _pipelined(self, layer_fns: Sequence[Callable[..., Any]], layer_params: list[Any], micro_x: Any,
+                   micro_t: Any, devices: list[Any]) -> _Compiled:
+        """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs)."""
+        method, params = self.method, layer_params
         search = None
         if method.stages == "auto":
-            search = search_stages(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, len(devices),
+            search = search_stages(layer_fns, params, micro_x, micro_t, len(devices),
                                    method.num_micro_batches, method.options(self.costs), self.costs, method.schedule)
             stages = search.stages
         else:
@@ -139,7 +269,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled]):
         stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
         meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
                        axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
-        stage_params = [tuple(shapes_of(p) for p in params[s.first:s.last + 1]) for s in stages]
+        stage_params = [tuple(params[s.first:s.last + 1]) for s in stages]
         acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
         layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
         pipeline = Pipeline(stage_fns, meshes, layouts=layouts)
@@ -180,6 +310,26 @@ class PipeshardFunction(ParallelizedFunction[_Compiled]):
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
+
+
+def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:
+    return compiled.parts if isinstance(compiled, _StepCompiled) else compiled
+
+
+def _micro_shape(leaf: Any, dim: int | None, count: int) -> Any:
+    """`leaf`'s ShapeDtypeStruct, one micro-batch long along `dim` (None: not a batch leaf)."""
+    shape = list(np.shape(leaf))
+    if dim is not None:
+        shape[dim] //= count
+    return jax.ShapeDtypeStruct(tuple(shape), dtype_of(leaf))
+
+
+def _micro_batch(leaf: Any, dim: int | None, m: int, count: int) -> Any:
+    """Micro-batch `m` of `leaf` along `dim`; the leaf itself when it is not a batch leaf."""
+    if dim is None:
+        return leaf
+    size = np.shape(leaf)[dim] // count
+    return leaf[(slice(None),) * dim + (slice(m * size, (m + 1) * size),)]
 
 
 def _compose(layer_fns: Sequence[Callable[..., Any]], first: int, last: int, is_last: bool) -> Callable[..., Any]:

@@ -3,7 +3,14 @@
 from meshplan.inter.schedules import SCHEDULES, Event, Phase, make_schedule
 from meshplan.runtime.boundary import mark_pipeline_boundary, split_into_stages
 from meshplan.runtime.diagnostics import CompileDiagnostics, RematerializationWarning, compile_lowered
-from meshplan.runtime.pipeline import Pipeline, PipelineResult, apply_update, place_params, run_pipeline
+from meshplan.runtime.pipeline import (
+    Pipeline,
+    PipelineResult,
+    apply_update,
+    place_params,
+    run_micro_batches,
+    run_pipeline,
+)
 from meshplan.runtime.sharded import (
     ShardedFunction,
     axis_names,
@@ -30,6 +37,7 @@ __all__ = [
     "mark_pipeline_boundary",
     "partition_spec",
     "place_params",
+    "run_micro_batches",
     "run_pipeline",
     "split_into_stages",
 ]

@@ -11,6 +11,8 @@ import numpy as np
 from meshplan.errors import MeshError
 
 DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per device per all-reduce
+GEMM_SHAPES = ((32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 64, 1024),
+               (1024, 1024, 1024))  # (m, n, k) of the GEMM efficiency curve
 
 
 def _timed(fn, *args, repeats: int) -> float:
@@ -48,6 +50,32 @@ def measure_matmul(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / seconds
 
 
+def measure_gemm(m: int, n: int, k: int, repeats: int = 5) -> float:
+    """Sustained FLOP/s of an (m x k) @ (k x n) float32 matmul on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+    seconds = _timed(jax.jit(lambda x, y: x @ y), a, b, repeats=repeats)
+    return 2 * m * n * k / seconds
+
+
+def fit_gemm_curve(shapes: Sequence[tuple[int, int, int]], rates: Sequence[float],
+                   peak: float) -> tuple[float, float]:
+    """(gemm_max, gemm_half) of meshplan.cost.kernels' curve rate = peak * max * prod x/(x+half)
+    that fits measured rates best in log space (half on a grid, max in closed form)."""
+    dims = np.array(shapes, dtype=float)
+    observed = np.log(np.array(rates, dtype=float) / peak)
+    best = None
+    for half in np.concatenate([[0.0], np.geomspace(1.0, 8192.0, 400)]):
+        shape = np.log(dims / (dims + half)).sum(axis=1)
+        log_max = float(np.mean(observed - shape))
+        error = float(np.sum((observed - shape - log_max) ** 2))
+        if best is None or error < best[0]:
+            best = (error, min(1.0, float(np.exp(log_max))), float(half))
+    return best[1], best[2]
+
+
 def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], devices: int) -> tuple[float, float]:
     """Least-squares alpha (s) and beta (s/byte) of t = alpha + beta * 2(n-1)/n * bytes."""
     x = np.array(sizes, dtype=float) * 2 * (devices - 1) / devices
@@ -82,9 +110,16 @@ def profile_cluster(nodes: int, devices_per_node: int, memory_bytes: float, size
     intra = fitted.get(mesh.axis_names[1]) or fitted.get(mesh.axis_names[0]) or (0.0, 1e-12)
     inter = fitted.get(mesh.axis_names[0], intra)
     flops = measure_matmul(repeats=repeats)
+    rates = [measure_gemm(*shape, repeats=repeats) for shape in GEMM_SHAPES]
+    peak = max(flops, *rates)
+    gemm_max, gemm_half = fit_gemm_curve(GEMM_SHAPES, rates, peak)
+    flops = peak
     device = {"name": name, "peak_flops": flops, "memory_bytes": memory_bytes,
               "intra_bandwidth": 1 / intra[1], "intra_latency": intra[0],
               "inter_bandwidth": 1 / inter[1], "inter_latency": inter[0],
               "description": f"measured on {count} {jax.devices()[0].platform} devices"}
     return {"nodes": nodes, "devices_per_node": devices_per_node, "device": device,
-            "measured": {"all_reduce": measured, "matmul_flops": flops}}
+            # `meshplan simulate --efficiency-file` reads this: the GEMM curve of these devices.
+            "kernel_efficiency": {"gemm_max": gemm_max, "gemm_half": gemm_half, "fp8_max": gemm_max},
+            "measured": {"all_reduce": measured, "matmul_flops": flops,
+                         "gemm": {"shapes": [list(s) for s in GEMM_SHAPES], "flops": rates}}}

@@ -134,15 +134,53 @@ def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
     """
     fn = layout.fn
     if is_last:
-        forward = jax.jit(lambda p, x, t: jax.vjp(lambda p_, x_: fn(p_, x_, t), p, x),
+        forward = jax.jit(lambda p, x, t: _vjp(lambda p_, x_: fn(p_, x_, t), p, x),
                           in_shardings=(layout.params, layout.inputs, layout.targets),
                           out_shardings=(layout.outputs, None))
     else:
-        forward = jax.jit(lambda p, x: jax.vjp(fn, p, x), in_shardings=(layout.params, layout.inputs),
+        forward = jax.jit(lambda p, x: _vjp(fn, p, x), in_shardings=(layout.params, layout.inputs),
                           out_shardings=(layout.outputs, None))
     backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.outputs),
                        out_shardings=(layout.param_grads, layout.input_grads))
     return forward, backward
+
+
+def _vjp(fn: Callable[..., Any], params: Any, x: Any) -> tuple[Any, Any]:
+    """`jax.vjp(fn, params, x)` over the floating-point leaves of `x` and of the output only.
+
+    Integer and boolean values (token ids, masks) ride along between stages but have no
+    cotangent: they are None in the cotangents the backward takes and returns.
+    """
+    x_float, x_rest = _split_float(x)
+    y_structure: list[Any] = []
+
+    def differentiable(p: Any, xf: Any) -> tuple[Any, Any]:
+        y_float, (structure, leaves) = _split_float(fn(p, _join(xf, x_rest)))
+        y_structure.append(structure)
+        return y_float, [None if _is_float(a) else a for a in leaves]
+
+    y_float, vjp_fn, y_rest = jax.vjp(differentiable, params, x_float, has_aux=True)
+    return _join(y_float, (y_structure[0], y_rest)), vjp_fn
+
+
+def _split_float(tree: Any) -> tuple[Any, tuple[Any, list[Any]]]:
+    """`tree` with None in place of its non-float leaves; and (its structure, every leaf) to rejoin."""
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    floats = [leaf if _is_float(leaf) else None for leaf in leaves]
+    return jax.tree_util.tree_unflatten(structure, floats), (structure, leaves)
+
+
+def _join(float_tree: Any, rest: tuple[Any, list[Any]]) -> Any:
+    """The tree `_split_float` cut: its float leaves from `float_tree`, the others (None where a
+    float leaf was) from `rest`."""
+    structure, leaves = rest
+    values = iter(jax.tree_util.tree_leaves(float_tree))
+    return jax.tree_util.tree_unflatten(structure, [next(values) if a is None or _is_float(a) else a
+                                                    for a in leaves])
+
+
+def _is_float(leaf: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
 _accumulate = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
@@ -231,13 +269,22 @@ def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any
         PipelineResult(loss, grads, events): grads[k] lives on stage k's sub-mesh; events are
         the steps in the order they were dispatched.
     """
-    events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
-    last = pipeline.output_sharding(pipeline.num_stages - 1)
     inputs = _micro_batches(batch, num_micro_batches, "batch")
     for k in range(pipeline.num_stages):  # fail before any step runs; activations keep the batch rows
         pipeline.check_batch_split(k, inputs[0], "micro-batch")
-    run = _Run(pipeline, place_params(pipeline, params_per_stage), inputs,
-               _micro_batches(targets, num_micro_batches, "targets"),
+    return run_micro_batches(pipeline, params_per_stage, inputs, _micro_batches(targets, num_micro_batches, "targets"),
+                             schedule)
+
+
+def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], inputs: Sequence[Any],
+                      targets: Sequence[Any], schedule: str = "1f1b") -> PipelineResult:
+    """`run_pipeline` on micro-batches already cut: `inputs[m]` and `targets[m]` are micro-batch m's
+    first-stage input and last-stage targets (values that are not per example, such as a
+    random key, may be the same in every micro-batch)."""
+    num_micro_batches = len(inputs)
+    events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
+    last = pipeline.output_sharding(pipeline.num_stages - 1)
+    run = _Run(pipeline, place_params(pipeline, params_per_stage), list(inputs), list(targets),
                jax.device_put(jnp.float32(1.0 / num_micro_batches), last))
     executed: list[Event] = []
     for event in events:

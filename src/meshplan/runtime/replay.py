@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Literal
 
 # (jaxpr Var, value) -> the value to keep, e.g. with a sharding constraint applied
 ValueHook = Callable[[Any, Any], Any]
@@ -30,3 +30,15 @@ def replay(eqns: Sequence[Any], env: dict[Any, Any], hook: ValueHook | None = No
 def read(env: dict[Any, Any], var: Any) -> Any:
     """The value of `var`: a literal's own value, else `env[var]`."""
     return var.val if isinstance(var, Literal) else env[var]
+
+
+def subjaxprs(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs nested in an equation's params (a jit's body, custom_jvp's function, cond branches)."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif hasattr(item, "eqns") and hasattr(item, "invars"):
+                found.append(item)
+    return found

@@ -33,8 +33,10 @@ class TrainingJob:
 
     @property
     def model_flops(self) -> float:
-        """Training FLOPs per iteration by the usual 6 N T rule (N parameters, T tokens)."""
-        return 6.0 * self.model.num_params() * self.tokens
+        """Training FLOPs per iteration by the usual 6 N T rule (T tokens; N the parameters a token
+        multiplies by: for MoE the top-k routed and the shared experts, not every expert; not
+        the embedding lookups, which multiply nothing). MFU counts these FLOPs."""
+        return 6.0 * self.model.flop_params() * self.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,11 @@ class PlannerOptions:
     """Knobs of the planner.
 
     Attributes:
-        efficiency: fraction of the device's peak FLOP/s sustained by its kernels.
+        efficiency: fraction of the device's peak FLOP/s sustained by its kernels (with
+            `gemm_curve`, by every kernel but the contractions).
+        gemm_curve: contractions are priced from their local (m, n, k) with the efficiency
+            curve of meshplan.cost.kernels (the one validated in docs/validation.md), so thin
+            GEMMs (high tensor parallelism, small hidden sizes) run at less of the peak.
         memory_fraction: share of device memory plans may use (the rest: runtime, fragmentation).
         microbatch_sizes: sequences per micro-batch to try; empty = chosen from the batch.
         max_microbatch_sizes: how many to try when chosen automatically.
@@ -61,6 +67,7 @@ class PlannerOptions:
     """
 
     efficiency: float = 0.5
+    gemm_curve: bool = True
     memory_fraction: float = 0.9
     microbatch_sizes: tuple[int, ...] = ()
     max_microbatch_sizes: int = 3

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY
 from meshplan.cost.model import CostModel
 from meshplan.distributed import Task, TaskRunner, run_tasks
 from meshplan.errors import InfeasiblePlanError
@@ -38,6 +39,7 @@ from meshplan.simulator.job import PlannerOptions, TrainingJob
 # costs as much as moving it once over that axis): 0 gives the fastest plan, larger prices
 # plans that shard optimizer state and weights further.
 MEMORY_PRICES = (0.0, 1.0, 16.0)
+LEAN_PRICES = MEMORY_PRICES[:2]  # the menu the simulator's views are priced with
 # Seconds per byte charged on every value: breaks ties between equally fast plans towards the
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
 ACTIVATION_PRICE = 1e-14
@@ -60,38 +62,51 @@ def training_parts(piece: PieceGraph) -> TrainingParts:
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                   memory_price: float = 0.0, time_limit: float = 30.0,
-                  force_batch_axis: int | None = 0, reduce_scatter: bool = False) -> tuple[LayerCost, IntraPlan]:
+                  force_batch_axis: int | None = 0, reduce_scatter: bool = False,
+                  gemm_peak: float | None = None) -> tuple[LayerCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
-    read its costs off the plan; `reduce_scatter` as in IntraOptions."""
+    read its costs off the plan; `reduce_scatter` as in IntraOptions; with `gemm_peak`,
+    contractions are priced from their shapes (meshplan.cost.kernels) at that peak."""
     options = _piece_options(flops_per_second, num_microbatches, memory_price, time_limit, force_batch_axis,
-                             reduce_scatter)
+                             reduce_scatter, gemm_peak)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
     return layer_cost(piece.graph, plan, training_parts(piece), num_microbatches), plan
 
 
 def _piece_options(flops_per_second: float, num_microbatches: int, memory_price: float, time_limit: float,
-                   force_batch_axis: int | None, reduce_scatter: bool) -> IntraOptions:
+                   force_batch_axis: int | None, reduce_scatter: bool, gemm_peak: float | None) -> IntraOptions:
     return IntraOptions(cost=CostModel(flops_per_second=flops_per_second, accumulation_weight=1.0 / num_microbatches,
-                                       memory_price=memory_price, activation_price=ACTIVATION_PRICE),
+                                       memory_price=memory_price, activation_price=ACTIVATION_PRICE,
+                                       gemm=DEFAULT_EFFICIENCY if gemm_peak else None, gemm_peak=gemm_peak),
                         force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
                         reduce_scatter=reduce_scatter)
 
 
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
-                 reduce_scatter: bool = False) -> tuple[LayerCost, ...]:
-    """Pareto-style menu: the fastest plan and plans that hold less memory for more time (one
-    enumeration of strategies for every price: `solve_intra_prices`)."""
+                 reduce_scatter: bool = False, gemm_peak: float | None = None) -> tuple[LayerCost, ...]:
+    """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
+    return tuple(cost for cost, _ in menu_plans(piece, mesh, flops_per_second, num_microbatches, prices,
+                                                force_batch_axis, reduce_scatter, gemm_peak))
+
+
+def menu_plans(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
+               prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
+               reduce_scatter: bool = False,
+               gemm_peak: float | None = None) -> tuple[tuple[LayerCost, IntraPlan], ...]:
+    """`profile_menu`'s entries with the intra-op plan each was read from (one enumeration of
+    strategies for every price: `solve_intra_prices`)."""
     unit = max(mesh.beta)
     factors = (0.0, *(f for f in prices if f > 0))
-    options = _piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter)
+    options = _piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter,
+                             gemm_peak)
     plans = solve_intra_prices(piece.graph, mesh.with_memory(None), options, tuple(f * unit for f in factors))
     parts = training_parts(piece)
-    menu = [layer_cost(piece.graph, plans[0], parts, num_microbatches)]
-    for plan in plans[1:]:
+    menu: list[tuple[LayerCost, IntraPlan]] = []
+    for plan in plans:
         cost = layer_cost(piece.graph, plan, parts, num_microbatches)
-        if cost.static_bytes < menu[-1].static_bytes * 0.999:
-            menu.append(cost)
+        if not menu or cost.static_bytes < menu[-1][0].static_bytes * 0.999:
+            menu.append((cost, plan))
     return tuple(menu)
 
 
@@ -144,15 +159,16 @@ def price_view(task: PricingTask) -> ViewCosts:
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
     mesh = cluster.logical_views(key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
+    gemm_peak = cluster.device.peak_flops if options.gemm_curve else None
     axis = batch_axis(mesh)
-    blocks, embed, head = _pieces(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
     def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
         if task.lean:
-            return profile_menu(graph, mesh, flops, task.num_microbatches, MEMORY_PRICES[:2], axis,
-                                options.reduce_scatter)
+            return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter,
+                                gemm_peak)
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
-                              reduce_scatter=options.reduce_scatter)[0],)
+                              reduce_scatter=options.reduce_scatter, gemm_peak=gemm_peak)[0],)
 
     menus = {moe: menu(g) for moe, g in blocks.items()}
     layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
@@ -179,7 +195,7 @@ def batch_axis(mesh: LogicalMesh) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
+def piece_graphs(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
     kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
     blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
     return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
@@ -188,7 +204,7 @@ def _pieces(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer:
 
 def build_pieces(job: TrainingJob, microbatch_size: int) -> None:
     """Build (and cache) the job's piece graphs in this process."""
-    _pieces(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
+    piece_graphs(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
 
 def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:

@@ -1,30 +1,35 @@
 """Simulate training a model on a cluster: the auto plan, its prediction, and the baselines.
 
-Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with the
-baselines' predictions and the planner's seconds per phase inside it, so one file tells the
-whole story), and each baseline's own `Plan`.
+Input: a TrainingJob and a Cluster. Output: a Simulation: the auto plan as a `Plan` (with each
+stage's piece plans, the baselines' predictions and the planner's seconds per phase inside it,
+so one file tells the whole story), and each baseline's own `Plan`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.distributed import TaskRunner
+from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
+from meshplan.simulator.analytic import LayoutPrediction, LayoutSearch, search_layouts
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
 from meshplan.simulator.job import PlannerOptions, TrainingJob
 from meshplan.simulator.planner import (
     PipelinePlan,
     PlannerStats,
     Progress,
+    capacity,
     default_runner,
     plan_training,
     planned_microbatch_sizes,
 )
 from meshplan.simulator.pricing import task_name
+from meshplan.simulator.stage_plans import with_stage_plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +84,62 @@ def _placed(pipeline: PipelinePlan, cluster: Cluster) -> tuple[Stage, ...]:
                  for s, ids in zip(estimates, devices, strict=True))
 
 
+def layout_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, label: str = "layout") -> Plan:
+    """A priced layout as a Plan: one stage per pipeline stage on Megatron's rank order
+    (tensor-parallel fastest, then context-, data-parallel, then stages), the memory breakdown
+    and the time range in its metrics, idle devices in its notes."""
+    lay = found.layout
+    per_stage = lay.stage_devices
+    bounds = [round(j * job.model.layers / lay.pp) for j in range(lay.pp + 1)]
+    per_node = cluster.devices_per_node
+    submesh = (math.ceil(per_stage / per_node), per_node) if per_stage >= per_node else (1, per_stage)
+    stages = tuple(Stage(bounds[j], bounds[j + 1] - 1, tuple(range(j * per_stage, (j + 1) * per_stage)),
+                         (lay.dp * lay.cp, lay.tp), submesh, None, "layout", lay.recompute, found.stage_times[j],
+                         found.memory.total, None) for j in range(lay.pp))
+    seconds = found.iteration_time
+    tflops = found.model_flops / seconds / cluster.num_devices / 1e12
+    prediction = Prediction(seconds, found.pipeline_time, found.sync_time, job.tokens / seconds, tflops, found.mfu,
+                            found.memory.total)
+    low, high = found.time_range
+    metrics = (("time_range.low_s", low), ("time_range.high_s", high),
+               *((f"memory.{name}", value) for name, value in found.memory.items()),
+               *((f"time.{name}", value) for name, value in found.breakdown))
+    notes = ()
+    if found.idle_devices:
+        notes = (f"{found.idle_devices} of {cluster.num_devices} devices stay idle: {lay.devices} devices "
+                 f"(tp x pp x dp x cp) run the layout",)
+    if not found.fits:
+        notes += (f"does not fit: needs {found.memory.total / 1e9:.1f} GB per device, {found.capacity / 1e9:.1f} GB "
+                  "usable",)
+    return Plan("simulate", job.model.name, stages, "interleaved-1f1b" if lay.vp > 1 else "1f1b",
+                found.num_microbatches, lay.vp, lay.mb, job.global_batch, job.seq_len, job.model.num_params(),
+                (cluster.nodes, cluster.devices_per_node), cluster.device.name, prediction, label,
+                options=(("layout", lay.text()), ("dtype", job.dtype.short_name), ("optimizer", job.optimizer)),
+                metrics=metrics, notes=notes)
+
+
+def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> str:
+    """Why nothing fits, with the memory per device the leanest layout would need."""
+    lean = search.leanest
+    if lean is None:
+        return f"{job.model.name}: no layout can run on {cluster.name} (too few devices or layers for any split)"
+    return (f"{job.model.name} does not fit on {cluster.name} at global batch {job.global_batch} x {job.seq_len} "
+            f"tokens: the leanest layout ({lean.layout.text()}) needs {lean.memory.total / 1e9:.1f} GB per device, "
+            f"devices offer {lean.capacity / 1e9:.1f} GB usable. Use devices with at least "
+            f"{lean.memory.total / 0.9 / 1e9:.0f} GB, more devices, or a shorter sequence.")
+
+
 def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
              progress: Progress | None = None, baselines: bool = True, runner: TaskRunner | None = None) -> Simulation:
     """Plan `job` on `cluster` and price the baselines; raises InfeasiblePlanError when no
-    plan fits. `runner` runs the pricing tasks (default: a process pool of `options.workers`);
-    a task that fails every attempt is named in the plan's notes and its view left out."""
+    plan fits.
+
+    The auto plan comes from the intra-op ILP and the stage DP over every device. When they
+    find none (a global batch that does not split over the stages' nodes, or memory), the
+    fastest Megatron-style layout that fits is the plan, idle devices reported; only when no
+    layout fits either is the error raised, naming the memory the leanest one needs. `runner`
+    runs the pricing tasks (default: a process pool of `options.workers`); a task that fails
+    every attempt is named in the plan's notes and its view left out."""
     options = options or PlannerOptions()
     with default_runner(runner, options) as tasks_runner:
         return _simulate(job, cluster, options, progress, baselines, tasks_runner)
@@ -93,7 +149,22 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
               baselines: bool, runner: TaskRunner) -> Simulation:
     stats = PlannerStats()
     priced: dict = {}
-    best = plan_training(job, cluster, options, progress, stats, priced, runner)
+    start = time.perf_counter()
+    search = search_layouts(job, cluster, memory_fraction=options.memory_fraction)
+    stats.timed("layout search", start)
+    try:
+        best = plan_training(job, cluster, options, progress, stats, priced, runner)
+    except InfeasiblePlanError:
+        if search.best is None:
+            raise InfeasiblePlanError(no_fit_message(job, cluster, search),
+                                      search.leanest.memory.total if search.leanest else None) from None
+        plan = layout_plan(search.best, job, cluster, "auto")
+        note = (f"the stage DP over all {cluster.num_devices} devices found no plan for a global batch of "
+                f"{job.global_batch}; the plan is the fastest Megatron-style layout that fits (closed-form "
+                f"pricing, {search.candidates} layouts priced)")
+        return Simulation(replace(plan, notes=(note, *plan.notes),
+                                  metrics=plan.metrics + tuple((f"planner_s.{k}", v) for k, v in stats.phases.items())),
+                          ())
     found: list[Baseline] = []
     if baselines:
         start = time.perf_counter()
@@ -111,9 +182,17 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
         auto = replace(to_plan(replace(grid.plan, label="auto"), job, cluster),
                        notes=(f"taken from the Megatron grid ({grid.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
+    start = time.perf_counter()
+    auto = with_stage_plans(auto, job, cluster, options)
+    stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
+    if search.best is not None:  # priced in closed form (meshplan.simulator.analytic), not by the ILP
+        summaries += (BaselineSummary("layout-search", f"closed form: {search.best.layout.text()}",
+                                      layout_plan(search.best, job, cluster, "layout-search").prediction),)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
     failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
-    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed), results)
+    budget = (("memory_budget_bytes", repr(capacity(cluster, options))),)
+    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed,
+                              options=auto.options + budget), results)

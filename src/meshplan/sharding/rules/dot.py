@@ -109,26 +109,30 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
     local_contract = math.prod(math.ceil(dims.size(("c", i)) / ctx.mesh.axis_size(assignment.get(("c", i), ())))
                                for i in range(len(dims.lc)))
     flops = 2.0 * math.prod(out.shard_shape(node.shape, ctx.mesh)) * local_contract
+    local = {slot: math.ceil(dims.size(slot) / ctx.mesh.axis_size(assignment.get(slot, ()))) for slot in dims.slots()}
+    m = math.prod(v for (group, _), v in local.items() if group in ("b", "l"))
+    n = math.prod(v for (group, _), v in local.items() if group == "r")
+    compute = ctx.model.contraction_cost(flops, m, n, local_contract)
     partial = ctx.local_bytes(node, out)  # each device's partial result before any reduction
-    yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, flops, partial, ctx)
+    yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, compute, partial, ctx)
     if not (contracted and scatter and ctx.config.reduce_scatter
             and any(ctx.mesh.shape[a] > 1 for a in contracted)):
         return
     for d, axes in enumerate(out.dims):
         if not axes and ctx.fits(node.shape[d], contracted):
             scattered = ShardingSpec(tuple(contracted if i == d else a for i, a in enumerate(out.dims)))
-            yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, flops, partial,
+            yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, compute, partial,
                             ctx)
 
 
 def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec], contracted: tuple[int, ...],
-              reduction: CollectiveKind, flops: float, partial: float, ctx: RuleContext) -> Strategy:
+              reduction: CollectiveKind, compute: float, partial: float, ctx: RuleContext) -> Strategy:
     collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
     memory = ctx.local_bytes(node, out)
     name = f"{out} = {operands[0]} x {operands[1]}"
     if contracted:
         kind = "allreduce" if reduction is CollectiveKind.ALL_REDUCE else "reducescatter"
         name += f" ({kind} @ {''.join(map(str, sorted(contracted)))})"
-    return Strategy(name, out, operands, compute=ctx.model.compute_cost(flops),
+    return Strategy(name, out, operands, compute=compute,
                     communication=sum(c.cost for c in collectives) * ctx.communication_weight(node), memory=memory,
                     collectives=collectives, penalty=ctx.model.activation_price * memory)

@@ -28,9 +28,10 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
                                                  for s in on_axis))
     if ctx.config.allow_replicated_parameters or not split:
         split.append(ShardingSpec.replicated(node.rank))
-    price = ctx.model.memory_price
-    strategies = tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s),
-                                penalty=price * ctx.local_bytes(node, s)) for s in split)
+    price, replicated = ctx.model.memory_price, ctx.model.replicated_parameter_cost
+    strategies = tuple(Strategy(_spec_name(s), s, (), compute=replicated if s.is_replicated else 0.0,
+                                memory=ctx.local_bytes(node, s), penalty=price * ctx.local_bytes(node, s))
+                       for s in split)
     return NodeStrategies(node.id, strategies)
 
 

@@ -1,0 +1,558 @@
+"""Price a Megatron/NeMo-style layout in closed form: time, memory per device, error bars.
+
+Input: a TrainingJob, a Cluster, a `Layout` and `KernelEfficiency`. Output: a `LayoutPrediction`.
+Where the auto planner prices generic graphs with the intra-op ILP, this prices the layouts
+people run (tensor, pipeline, data, context and expert parallelism with sequence parallelism,
+selective or full recompute, flash attention, the distributed optimizer, overlap, fp8) from the
+transformer's shapes:
+
+- every GEMM of a layer is priced from its (m, n, k), dtype and device with the efficiency
+  curve of meshplan.cost.kernels; fused attention at its own efficiency; element-wise kernels
+  (norms, residuals, activations, softmax without flash) by the bytes they move over HBM;
+- tensor-parallel collectives on the link the group spans; context-parallel ring exchanges
+  overlapped with attention; MoE all-to-all over the expert-parallel group;
+- pipeline sends on the link they cross (inside a node when consecutive stages share one);
+- the data-parallel gradient reduction hierarchical: reduce-scatter inside the node, across
+  nodes over every NIC of the node, all-gather inside the node; overlapped with the backward
+  pass when the layout says so;
+- memory per device as weights, gradients, optimizer state, activations of one micro-batch,
+  the other in-flight micro-batches (1F1B or interleaved warm-up) and workspace, after
+  Korthikanti et al. 2022 (activation bytes per layer, generalised to grouped-query
+  attention, SwiGLU and MoE).
+
+The iteration time is the schedule's latency (meshplan.inter.schedules) over the stages plus
+the exposed data-parallel communication and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshplan.cluster.cluster import Cluster
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
+from meshplan.inter.schedules import pipeline_latency
+from meshplan.ir import DType
+from meshplan.simulator.job import TrainingJob
+from meshplan.simulator.layout import Layout
+
+# Relative spread of the true iteration time around a prediction: the 10th and 90th percentile
+# of (published / predicted - 1) over the validated runs (docs/validation.md,
+# benchmarks/results/validation.json); a prediction t is shown as t (t * (1 + LOW) - t * (1 + HIGH)).
+UNCERTAINTY = (-0.061, 0.138)
+WORKSPACE_BYTES = 1.0 * 2**30  # cuBLAS workspaces, NCCL buffers, allocator slack
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Peak bytes per device of the most loaded stage, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    inflight: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.inflight + self.workspace
+
+    def items(self) -> tuple[tuple[str, float], ...]:
+        return (("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                ("activations", self.activations), ("in-flight micro-batches", self.inflight),
+                ("workspace", self.workspace))
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutPrediction:
+    """What a layout costs.
+
+    Attributes:
+        iteration_time: seconds per iteration.
+        pipeline_time: the pipeline schedule's latency (all micro-batches through all stages).
+        sync_time: exposed data-parallel communication and the optimizer step.
+        stage_times: seconds per micro-batch (forward + backward) of each stage.
+        num_microbatches: micro-batches each data-parallel replica runs.
+        memory: the peak stage's bytes per device, by component.
+        capacity: bytes per device plans may use.
+        idle_devices: devices of the cluster the layout leaves unused.
+        model_flops: 6 N T FLOPs of the iteration (N: parameters a token multiplies by).
+        peak_flops: the compute dtype's peak per device (fp8 when the layout uses fp8 GEMMs).
+        breakdown: seconds per iteration by component on the critical stage.
+    """
+
+    layout: Layout
+    iteration_time: float
+    pipeline_time: float
+    sync_time: float
+    stage_times: tuple[float, ...]
+    num_microbatches: int
+    memory: MemoryBreakdown
+    capacity: float
+    idle_devices: int
+    devices: int
+    model_flops: float
+    peak_flops: float
+    breakdown: tuple[tuple[str, float], ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the peak of every device of the cluster."""
+        return self.model_flops / self.iteration_time / (self.devices * self.peak_flops)
+
+    @property
+    def time_range(self) -> tuple[float, float]:
+        low, high = UNCERTAINTY
+        return self.iteration_time * (1 + low), self.iteration_time * (1 + high)
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerTimes:
+    """Seconds per micro-batch of one block on one device."""
+
+    forward: float
+    backward: float
+    recompute: float
+    attention_core: float
+    tp_comm: float
+    moe_comm: float
+
+
+def model_flops(job: TrainingJob) -> float:
+    """6 N T training FLOPs of one iteration (TrainingJob.model_flops)."""
+    return job.model_flops
+
+
+def check_layout(job: TrainingJob, cluster: Cluster, layout: Layout) -> str:
+    """Why the layout cannot run on the cluster ("" when it can)."""
+    model = job.model
+    if layout.devices > cluster.num_devices:
+        return (f"layout {layout.text()} needs {layout.devices} devices (tp x pp x dp x cp), the cluster has "
+                f"{cluster.num_devices}")
+    if layout.pp * layout.vp > model.layers:
+        return f"layout {layout.text()}: pp x vp = {layout.pp * layout.vp} exceeds the model's {model.layers} layers"
+    if model.heads % layout.tp or model.num_kv_heads % math.gcd(model.num_kv_heads, layout.tp):
+        return f"layout {layout.text()}: tp={layout.tp} does not divide the {model.heads} attention heads"
+    if job.seq_len % (2 * layout.cp) and layout.cp > 1:
+        return f"layout {layout.text()}: cp={layout.cp} needs a sequence length divisible by {2 * layout.cp}"
+    if model.experts and model.experts % layout.ep:
+        return f"layout {layout.text()}: ep={layout.ep} does not divide the {model.experts} experts"
+    if layout.fp8 and not cluster.device.fp8_flops:
+        return f"layout {layout.text()}: fp8=on but {cluster.device.name} has no fp8 tensor cores"
+    return ""
+
+
+def price_layout(job: TrainingJob, cluster: Cluster, layout: Layout,
+                 efficiency: KernelEfficiency = DEFAULT_EFFICIENCY, memory_fraction: float = 0.9) -> LayoutPrediction:
+    """Time and memory of `layout` training `job` on `cluster` (check_layout first: this
+    assumes the layout can run)."""
+    return _Pricer(job, cluster, layout, efficiency).predict(memory_fraction)
+
+
+class _Pricer:
+    """The layout's per-device work, priced piece by piece."""
+
+    def __init__(self, job: TrainingJob, cluster: Cluster, layout: Layout, eff: KernelEfficiency) -> None:
+        self.job, self.cluster, self.layout, self.eff = job, cluster, layout, eff
+        self.model, self.device = job.model, cluster.device
+        self.flash = self.device.flash_attention if layout.flash is None else layout.flash
+        self.bytes = job.dtype.itemsize
+        self.tokens = layout.mb * job.seq_len // layout.cp  # per device per micro-batch
+        self.sequences = math.ceil(job.global_batch / layout.dp)  # the fullest replica's share
+        self.num_microbatches = math.ceil(self.sequences / layout.mb)
+        # Megatron accumulates and reduces gradients in fp32 (main_grad) unless told otherwise.
+        self._grad_bytes = 4 if layout.fp32_grads or job.dtype is DType.F32 else self.bytes
+
+    # -- links -----------------------------------------------------------------------------
+
+    def _group_link(self, stride: int, size: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of `size` ranks `stride` apart: NVLink when they
+        share a node, the inter-node share of one device otherwise."""
+        d, per_node = self.device, self.cluster.devices_per_node
+        if size <= 1 or stride * size <= per_node:
+            return d.intra_bandwidth * self.eff.link, d.intra_latency
+        return d.inter_bandwidth * self.eff.link, d.inter_latency
+
+    def _ring(self, kind: str, nbytes: float, stride: int, size: int) -> float:
+        """Ring all-reduce ("ar"), all-gather or reduce-scatter ("ag"/"rs") of `nbytes` per device."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bandwidth, latency = self._group_link(stride, size)
+        steps = 2 * (size - 1) if kind == "ar" else size - 1
+        return steps * latency + steps / size * nbytes / bandwidth
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        fp8 = self.layout.fp8
+        peak = self.device.fp8_flops if fp8 else self.device.peak_flops
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        return count * 2 * m * n * k / (peak * self.eff.gemm(m, n, k, fp8))
+
+    def _hbm(self, nbytes: float) -> float:
+        bandwidth = self.device.memory_bandwidth or self.device.peak_flops / 100.0
+        return nbytes / (bandwidth * self.eff.memory)
+
+    def _layer(self, moe: bool) -> _LayerTimes:
+        model, lay, t = self.model, self.layout, self.tokens
+        h, d, tp = model.hidden, model.head_dim, lay.tp
+        heads, kv = model.heads / tp, max(1.0, model.num_kv_heads / tp)
+        seq_all = self.job.seq_len
+        gemms = self._gemm(t, (heads + 2 * kv) * d, h) + self._gemm(t, h, heads * d)
+        gemms += self._mlp_gemms(moe)
+        # Attention core: QK^T and PV; causal flash kernels skip the masked half.
+        core_flops = 4 * lay.mb * heads * (seq_all / lay.cp) * seq_all * d
+        scores = lay.mb * heads * (seq_all / lay.cp) * seq_all  # per device
+        if self.flash:
+            causal = 0.5 if model.causal else 1.0
+            attention = causal * core_flops / (self.device.peak_flops * self.eff.attention)
+            softmax = 0.0
+        else:
+            attention = (self._gemm(seq_all / lay.cp, seq_all, d, lay.mb * heads)
+                         + self._gemm(seq_all / lay.cp, d, seq_all, lay.mb * heads))
+            # Fused scale-mask-softmax reads the scores and writes the probabilities; dropout reads
+            # them and writes its output and a one-byte mask.
+            dropout = 1 if model.family in ("gpt", "bert") else 0
+            softmax = self._hbm(scores * (2 * self.bytes + dropout * (2 * self.bytes + 1)))
+        split = tp if lay.sp else 1
+        width = self._mlp_width(moe)
+        elementwise = self._hbm(self.bytes * (10 * t * h / split + 3 * t * width / tp
+                                              + (4 * t * (heads + kv) * d if model.rotary else 0)))
+        forward_compute = gemms + attention + softmax + elementwise
+        backward_compute = 2 * gemms + (2.5 if self.flash else 2.0) * (attention + softmax) + 2 * elementwise
+        tp_comm = self._tp_comm() + self._cp_comm(attention)
+        moe_comm = self._moe_comm() if moe else 0.0
+        gather, scatter = self._fsdp_comm(moe)
+        forward = forward_compute + tp_comm + moe_comm + max(0.0, gather - forward_compute)
+        backward = (backward_compute + tp_comm + moe_comm + max(0.0, gather + scatter - backward_compute)
+                    + self.eff.per_layer_overhead_s)
+        recompute = {"none": 0.0, "full": forward,
+                     "selective": 0.0 if self.flash else attention + softmax}[lay.recompute]
+        return _LayerTimes(forward, backward, recompute, attention + softmax, 2 * tp_comm, 2 * moe_comm)
+
+    def _fsdp_comm(self, moe: bool) -> tuple[float, float]:
+        """(all-gather of one layer's weights, reduce-scatter of its gradients) under fully
+        sharded data parallelism; prefetched, so only what the layer's compute does not cover
+        is exposed."""
+        lay = self.layout
+        group = lay.dp * lay.cp
+        if not lay.fsdp or group == 1:
+            return 0.0, 0.0
+        params = self.model.block_params(moe) / lay.tp
+        weights = self._hierarchical(params * self.bytes, group) / 2  # an all-gather: half an all-reduce
+        grads = self._hierarchical(params * self._grad_bytes, group) / 2
+        return weights, grads
+
+    def _mlp_width(self, moe: bool) -> float:
+        model = self.model
+        if not moe:
+            return model.ffn
+        return (model.top_k + model.shared_experts) * model.expert_width
+
+    def _mlp_gemms(self, moe: bool) -> float:
+        model, t, tp = self.model, self.tokens, self.layout.tp
+        h, mats = model.hidden, 3 if model.mlp == "swiglu" else 2
+        if not moe:
+            return self._gemm(t, (mats - 1) * model.ffn / tp, h) + self._gemm(t, h, model.ffn / tp)
+        w = model.expert_width
+        local_experts = model.experts / self.layout.ep
+        per_expert = t * model.top_k * self.layout.ep / model.experts  # tokens routed to each expert
+        routed = (self._gemm(per_expert, (mats - 1) * w / tp, h, local_experts)
+                  + self._gemm(per_expert, h, w / tp, local_experts))
+        shared = w * model.shared_experts
+        dense = (self._gemm(t, (mats - 1) * shared / tp, h) + self._gemm(t, h, shared / tp)) if shared else 0.0
+        return routed + dense + self._gemm(t, model.experts, h)
+
+    def _tp_comm(self) -> float:
+        """Forward tensor-parallel collectives of one layer: two all-reduces of the activations
+        (with sequence parallelism an all-gather and a reduce-scatter each: the same bytes)."""
+        lay = self.layout
+        if lay.tp == 1:
+            return 0.0
+        nbytes = self.tokens * self.model.hidden * self.bytes
+        seconds = 2 * self._ring("ar", nbytes, 1, lay.tp)
+        return seconds * (1 - self.eff.tp_overlap_hidden if lay.tp_overlap else 1.0)
+
+    def _cp_comm(self, attention: float) -> float:
+        """Ring attention passes key/value blocks around the context-parallel group while it
+        computes; only what the attention does not hide is exposed."""
+        lay = self.layout
+        if lay.cp == 1:
+            return 0.0
+        kv = max(1.0, self.model.num_kv_heads / lay.tp)
+        block = 2 * self.tokens * kv * self.model.head_dim * self.bytes
+        bandwidth, latency = self._group_link(lay.tp, lay.cp)
+        exchange = (lay.cp - 1) * (latency + block / bandwidth)
+        return max(0.0, exchange - attention)
+
+    def _moe_comm(self) -> float:
+        """Dispatch and combine all-to-alls of the routed tokens over the expert-parallel group."""
+        lay, model = self.layout, self.model
+        if lay.ep == 1:
+            return 0.0
+        nbytes = self.tokens * model.top_k * model.hidden * self.bytes
+        bandwidth, latency = self._group_link(lay.tp * lay.cp, lay.ep)
+        return 2 * ((lay.ep - 1) * latency + (lay.ep - 1) / lay.ep * nbytes / bandwidth)
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _stage_layers(self) -> list[list[int]]:
+        """Layer indices per stage: Megatron's equal split (the first stages take the remainder)."""
+        layers, pp = self.model.layers, self.layout.pp
+        bounds = [round(j * layers / pp) for j in range(pp + 1)]
+        return [list(range(bounds[j], bounds[j + 1])) for j in range(pp)]
+
+    def _send(self, stage: int) -> float:
+        """Forward send and backward receive of one micro-batch across the boundary after `stage`,
+        on the link it crosses (each tensor-parallel rank sends its 1/tp share)."""
+        lay = self.layout
+        if stage >= lay.pp - 1:
+            return 0.0
+        nbytes = self.tokens * self.model.hidden * self.bytes / lay.tp
+        per_node, size = self.cluster.devices_per_node, lay.stage_devices
+        crosses = size >= per_node or ((stage + 1) * size) % per_node == 0
+        d = self.device
+        bandwidth, latency = ((d.inter_bandwidth, d.inter_latency) if crosses
+                              else (d.intra_bandwidth, d.intra_latency))
+        return 2 * lay.vp * (latency + nbytes / (bandwidth * self.eff.link))
+
+    def _head(self) -> float:
+        """LM head GEMM and cross-entropy of one micro-batch (forward + backward) on the last stage."""
+        model, t = self.model, self.tokens
+        gemm = self._gemm(t, model.vocab / self.layout.tp, model.hidden)
+        loss = self._hbm(4 * t * model.vocab / self.layout.tp * 4)  # fp32 logits: softmax and its gradient
+        return 3 * gemm + loss
+
+    def predict(self, memory_fraction: float) -> LayoutPrediction:
+        lay = self.layout
+        kinds = {moe: self._layer(moe) for moe in {self.model.is_moe_layer(i) for i in range(self.model.layers)}}
+        stages = self._stage_layers()
+        times, compute_s, tp_s, recompute_s = [], [], [], []
+        for j, layers in enumerate(stages):
+            per = [kinds[self.model.is_moe_layer(i)] for i in layers]
+            seconds = sum(p.forward + p.backward + p.recompute for p in per) + self._send(j)
+            if j == lay.pp - 1:
+                seconds += self._head()
+            if j == 0:
+                seconds += self._hbm(3 * self.tokens * self.model.hidden * self.bytes)  # embedding gather
+            times.append(seconds)
+            tp_s.append(sum(p.tp_comm + p.moe_comm for p in per))
+            recompute_s.append(sum(p.recompute for p in per))
+            compute_s.append(seconds)
+        pipeline = pipeline_latency(times, self.num_microbatches, lay.vp)
+        critical = max(range(lay.pp), key=lambda j: times[j])
+        backward_window = sum(kinds[self.model.is_moe_layer(i)].backward for i in stages[critical])
+        sync, optimizer = self._data_parallel(stages, backward_window)
+        memory = self._memory(stages)
+        m = self.num_microbatches
+        breakdown = (("compute and sends", m * (compute_s[critical] - tp_s[critical] - recompute_s[critical])),
+                     ("tensor/expert-parallel communication", m * tp_s[critical]),
+                     ("recomputation", m * recompute_s[critical]),
+                     ("pipeline bubble", pipeline - m * times[critical]),
+                     ("exposed data-parallel communication", sync), ("optimizer step", optimizer))
+        peak = self.device.fp8_flops if lay.fp8 else self.device.peak_flops
+        return LayoutPrediction(lay, pipeline + sync + optimizer, pipeline, sync + optimizer, tuple(times), m, memory,
+                                self.device.memory_bytes * memory_fraction, self.cluster.num_devices - lay.devices,
+                                self.cluster.num_devices, model_flops(self.job), peak, breakdown)
+
+    # -- data parallel ---------------------------------------------------------------------
+
+    def _stage_params(self, layers: list[int], first: bool, last: bool) -> tuple[float, float]:
+        """(dense, expert) parameters per device of a stage."""
+        model, lay = self.model, self.layout
+        dense = expert = 0.0
+        for i in layers:
+            moe = model.is_moe_layer(i)
+            block = model.block_params(moe)
+            routed = model.experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * model.expert_width \
+                if moe else 0
+            dense += (block - routed) / lay.tp
+            expert += routed / (lay.tp * lay.ep)
+        table = model.vocab * model.hidden / lay.tp
+        if first:
+            dense += table + (model.max_seq_len * model.hidden if model.learned_positions else 0)
+        if last:
+            dense += table
+        return dense, expert
+
+    def _data_parallel(self, stages: list[list[int]], backward_window: float) -> tuple[float, float]:
+        """(exposed gradient communication, optimizer step) of the slowest stage, per iteration.
+
+        The data-parallel group of a rank spans dp x cp ranks `tp` apart; `local` of them share
+        a node. Hierarchical reduction: reduce-scatter among the local ranks over NVLink, then
+        a ring across nodes of 1/local of the bytes, every local rank on its own NIC share, then
+        all-gather over NVLink."""
+        lay = self.layout
+        group = lay.dp * lay.cp
+        grad_bytes = self._grad_bytes
+        worst_sync = worst_opt = 0.0
+        for j, layers in enumerate(stages):
+            dense, expert = self._stage_params(layers, j == 0, j == lay.pp - 1)
+            comm = self._hierarchical(dense * grad_bytes, group) + self._hierarchical(expert * grad_bytes,
+                                                                                      group // lay.ep)
+            if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
+                comm = self._fsdp_comm(self.model.is_moe_layer(layers[-1]))[1] if layers else 0.0
+            elif lay.distributed_optimizer:
+                comm = comm / 2 + self._hierarchical(dense * self.bytes, group) / 2  # RS of grads + AG of weights
+            exposed = comm
+            if lay.overlap:
+                exposed = max(comm - backward_window, comm * self.eff.dp_overlap_tail)
+            shard = group if lay.distributed_optimizer or lay.fsdp else 1
+            state = (dense / shard + expert / (max(1, group // lay.ep) if lay.distributed_optimizer else 1))
+            optimizer = self._hbm(state * 30)  # read fp32 master, moments and gradient; write them and the weights
+            worst_sync, worst_opt = max(worst_sync, exposed), max(worst_opt, optimizer)
+        return worst_sync, worst_opt
+
+    def _hierarchical(self, nbytes: float, group: int) -> float:
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        per_node = self.cluster.devices_per_node
+        stride = self.layout.tp
+        local = max(1, min(group, per_node // stride)) if stride < per_node else 1
+        nodes = math.ceil(group / local)
+        inside = self._ring("rs", nbytes, stride, local) + self._ring("ag", nbytes, stride, local) if local > 1 else 0.0
+        across = 0.0
+        if nodes > 1:
+            d = self.device
+            bandwidth = d.inter_bandwidth * self.eff.link
+            across = 2 * (nodes - 1) * d.inter_latency + 2 * (nodes - 1) / nodes * (nbytes / local) / bandwidth
+        return inside + across
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _activation_bytes(self, moe: bool) -> tuple[float, float]:
+        """(kept for backward, kept under full recompute) bytes of one layer and micro-batch
+        per device, after Korthikanti et al. 2022 Eq. 1-5: sbh(34 + 5as/h) for GPT without
+        parallelism, generalised to grouped-query attention, SwiGLU and MoE widths."""
+        model, lay, t = self.model, self.layout, self.tokens
+        h, d, tp = model.hidden, model.head_dim, lay.tp
+        split = tp if lay.sp else 1
+        b = self.bytes
+        dropout = 1 if model.family in ("gpt", "bert") else 0  # one-byte masks
+        heads, kv = model.heads / tp, max(1.0, model.num_kv_heads / tp)
+        # GEMM inputs are saved in fp8 when the GEMMs run in fp8 (Transformer Engine keeps the
+        # casted copy for the backward pass).
+        g = 1 if lay.fp8 else b
+        # Two norm inputs, the attention and MLP inputs (norm outputs), two dropout masks.
+        replicated = t * (2 * b * h + 2 * g * h + 2 * dropout * h) / split
+        attention = t * (b * heads * d + 2 * b * kv * d + g * heads * d)  # q, k, v, context
+        seq_all = self.job.seq_len
+        scores = lay.mb * heads * (seq_all / lay.cp) * seq_all
+        if self.flash:
+            core = lay.mb * heads * (seq_all / lay.cp) * 4  # softmax statistics
+        elif lay.recompute == "selective":
+            core = 0.0
+        else:
+            core = scores * b + dropout * scores * (1 + b)  # softmax output; dropout mask and output
+        width = self._mlp_width(moe) / tp
+        mlp = t * width * (b * (2 if model.mlp == "swiglu" else 1) + g)  # activation inputs; down-projection input
+        kept = replicated + attention + core + mlp
+        return kept, t * h * b / split
+
+    def _inflight(self, stage: int) -> float:
+        """Micro-batches of activations stage `stage` holds at its peak: 1F1B warms up with
+        pp - stage; interleaved 1F1B with ((pp - stage - 1) * 2 + (vp - 1) * pp + 1) chunks of
+        1/vp of the stage's layers (Megatron's warm-up), i.e. pp + (pp - 1) / vp on the first."""
+        lay = self.layout
+        if lay.vp == 1:
+            return float(lay.pp - stage)
+        return ((lay.pp - stage - 1) * 2 + (lay.vp - 1) * lay.pp + 1) / lay.vp
+
+    def _memory(self, stages: list[list[int]]) -> MemoryBreakdown:
+        lay, model = self.layout, self.model
+        worst = None
+        for j, layers in enumerate(stages):
+            first, last = j == 0, j == lay.pp - 1
+            dense, expert = self._stage_params(layers, first, last)
+            params = dense + expert
+            group = lay.dp * lay.cp
+            weights = params * self.bytes
+            gradients = params * self._grad_bytes
+            gathered = 0.0
+            if lay.fsdp:  # sharded fp32 master copy in the optimizer state; two layers gathered at a time
+                weights, gradients = 0.0, gradients / group
+                gathered = 2 * max(model.block_params(model.is_moe_layer(i)) for i in layers) / lay.tp * self.bytes
+            per_param_state = {"adam": 12, "sgd": 4}.get(self.job.optimizer, 12)
+            if self.job.dtype is DType.F32:
+                per_param_state -= 4  # no separate fp32 master copy
+            shard_dense = group if lay.distributed_optimizer or lay.fsdp else 1
+            shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer or lay.fsdp else 1
+            optimizer = per_param_state * (dense / shard_dense + expert / shard_expert)
+            kept = [self._activation_bytes(model.is_moe_layer(i)) for i in layers]
+            held = max(1.0, min(self._inflight(j), self.num_microbatches))
+            if lay.recompute == "full":
+                one = sum(k[1] for k in kept)
+                working = max(k[0] for k in kept)
+            else:
+                one = sum(k[0] for k in kept)
+                working = 0.0
+            logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
+            workspace = WORKSPACE_BYTES + max(working, logits) + gathered
+            breakdown = MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one, workspace)
+            if worst is None or breakdown.total > worst.total:
+                worst = breakdown
+        return worst
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSearch:
+    """The fastest layout that fits, and the one that needs the least memory per device (to say
+    how much memory would be needed when nothing fits)."""
+
+    best: LayoutPrediction | None
+    leanest: LayoutPrediction | None
+    candidates: int
+
+
+def candidate_layouts(job: TrainingJob, cluster: Cluster, fp8: bool = False) -> list[Layout]:
+    """Megatron-style layouts worth pricing: tensor parallelism inside a node over divisors of
+    the heads, context parallelism for long sequences, any pipeline depth, the most
+    data-parallel replicas the devices and the global batch allow (leaving the rest idle),
+    micro-batches of 1-8 sequences, and every memory technique."""
+    model, per_node = job.model, cluster.devices_per_node
+    layouts = []
+    for tp in (t for t in range(1, per_node + 1) if per_node % t == 0 and model.heads % t == 0):
+        for cp in (c for c in (1, 2, 4, 8) if tp * c <= cluster.num_devices and (c == 1 or job.seq_len >= 8192)):
+            for pp in range(1, min(model.layers, cluster.num_devices // (tp * cp)) + 1):
+                dp = min(cluster.num_devices // (tp * cp * pp), job.global_batch)
+                layouts.extend(_variants(job, tp, cp, pp, dp, fp8))
+    return layouts
+
+
+def _variants(job: TrainingJob, tp: int, cp: int, pp: int, dp: int, fp8: bool) -> list[Layout]:
+    model = job.model
+    per_replica = math.ceil(job.global_batch / dp)
+    eps = [e for e in range(1, dp * cp + 1) if model.experts and model.experts % e == 0 and (dp * cp) % e == 0] or [1]
+    chunks = [v for v in (1, 2, 4) if v == 1 or (pp > 1 and model.layers % (pp * v) == 0)]
+    out = []
+    for mb in (b for b in (1, 2, 4, 8) if b <= per_replica):
+        for recompute in ("none", "selective", "full"):
+            for zero in (False, True):
+                for vp in chunks:
+                    for ep in eps:
+                        out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vp=vp, mb=mb, sp=tp > 1,
+                                          recompute=recompute, distributed_optimizer=zero, overlap=True, fp8=fp8))
+    return out
+
+
+def search_layouts(job: TrainingJob, cluster: Cluster, efficiency: KernelEfficiency = DEFAULT_EFFICIENCY,
+                   memory_fraction: float = 0.9, fp8: bool = False) -> LayoutSearch:
+    """Price every candidate layout; the fastest that fits and the leanest overall."""
+    best = leanest = None
+    count = 0
+    for layout in candidate_layouts(job, cluster, fp8):
+        if check_layout(job, cluster, layout):
+            continue
+        count += 1
+        found = price_layout(job, cluster, layout, efficiency, memory_fraction)
+        if leanest is None or found.memory.total < leanest.memory.total:
+            leanest = found
+        if found.fits and (best is None or found.iteration_time < best.iteration_time):
+            best = found
+    return LayoutSearch(best, leanest, count)
