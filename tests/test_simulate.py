@@ -152,11 +152,11 @@ def test_reduce_scatter_widens_the_piece_plans():
 
 def test_menu_from_one_enumeration_equals_separate_solves():
     """solve_intra_prices re-prices one enumeration: the plans equal separate solve_intra calls."""
-    from meshplan.simulator.pricing import MEMORY_PRICES, _pieces, profile_menu, profile_piece
+    from meshplan.simulator.pricing import MEMORY_PRICES, piece_graphs, profile_menu, profile_piece
 
     cluster = Cluster(2, 4, get_device("a100-40gb"))
     mesh = cluster.logical_views((2, 4))[1]
-    blocks, embed, _ = _pieces(SMALL, 4, 256, TrainingJob(SMALL, 16, 256).dtype, "adam")
+    blocks, embed, _ = piece_graphs(SMALL, 4, 256, TrainingJob(SMALL, 16, 256).dtype, "adam")
     for piece in (blocks[False], embed):
         menu = profile_menu(piece, mesh, 1e14, 4, MEMORY_PRICES)
         separate = [profile_piece(piece, mesh, 1e14, 4, memory_price=f * max(mesh.beta))[0] for f in MEMORY_PRICES]
