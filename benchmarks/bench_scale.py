@@ -14,12 +14,13 @@ search's shared with the workers': see _idle_estimate), the load average
 prediction. With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
 a local Ray, and the JSON plans compared (planner seconds left out). Writes
 benchmarks/results/scale.json.
-Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME]
+Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -32,7 +33,7 @@ from meshplan.models.transformer import PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
 from meshplan.simulator.analytic import search_layouts
 
-from common import save
+from common import RESULTS, save
 
 CASES = (
     ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 10.0),
@@ -47,11 +48,16 @@ def main() -> None:
     warnings.simplefilter("ignore")
     parser = argparse.ArgumentParser()
     parser.add_argument("--executors", action="store_true", help="compare in-process, pool and Ray plans")
-    parser.add_argument("--only", default="", help="run only the case whose model has this name")
+    parser.add_argument("--only", default="", help="run only the case whose model has this name ('none': no case)")
+    parser.add_argument("--keep", action="store_true", help="keep the cases of scale.json not run this time")
     args = parser.parse_args()
     cases = [_case(*c) for c in CASES if not args.only or c[0] == args.only]
     if args.executors:
         cases.append(_executors())
+    if args.keep and (RESULTS / "scale.json").exists():
+        ran = {c["name"] for c in cases}
+        kept = [c for c in json.loads((RESULTS / "scale.json").read_text())["cases"] if c["name"] not in ran]
+        cases = kept + cases
     print("wrote", save("scale", cases))
 
 
@@ -108,8 +114,16 @@ def _plan_json(runner: TaskRunner) -> tuple[dict, float]:
     start = time.perf_counter()
     data = simulate(job, Cluster(50, 4, get_device("v100-32gb")), PlannerOptions(workers=2),
                     runner=runner).to_dict()
-    data.pop("metrics")  # planner seconds differ from run to run
-    return data, time.perf_counter() - start
+    return _without_timings(data), time.perf_counter() - start
+
+
+def _without_timings(data):
+    """The plan without the seconds its making took (planner phases, solver and build times)."""
+    if isinstance(data, dict):
+        return {k: _without_timings(v) for k, v in data.items() if k not in ("metrics", "wall_s", "build_s")}
+    if isinstance(data, list):
+        return [_without_timings(v) for v in data]
+    return data
 
 
 def _executors() -> dict:
