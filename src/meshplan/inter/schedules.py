@@ -174,6 +174,14 @@ def make_schedule(schedule: str, num_stages: int, num_microbatches: int) -> tupl
     return tuple(order)
 
 
+def replayed_latency(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float],
+                     num_microbatches: int) -> float:
+    """The iteration's pipeline time by replaying `timeline`: exact for the given per-stage forward
+    and backward times, where the closed form (`Schedule.latency`) assumes the slowest stage
+    paces fill and drain alike and so can exceed it when stages differ."""
+    return max(t.end for t in timeline(schedule, forward_s, backward_s, num_microbatches))
+
+
 def timeline(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float],
              num_microbatches: int) -> tuple[TimedEvent, ...]:
     """Every step of one iteration with its start and end: a stage runs its steps in its own

@@ -75,8 +75,8 @@ def quiet_highs():
     """A `highspy.Highs` that prints nothing on standard output.
 
     HiGHS 1.16 prints its banner from C++ when the first instance of a process is made, before any
-    option can silence it; that would corrupt `--json` output, so the first construction runs with
-    the process's C-level stdout pointed at stderr.
+    option can silence it; that would corrupt `--json` output (and repeat once per worker process),
+    so the first construction runs with the process's C-level stdout pointed at the null device.
     """
     global _banner_shown
     import highspy
@@ -85,14 +85,15 @@ def quiet_highs():
         h = highspy.Highs()
     else:
         sys.stdout.flush()
-        saved = os.dup(1)
+        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
         try:
-            os.dup2(2, 1)
+            os.dup2(null, 1)
             h = highspy.Highs()
-            ctypes.CDLL(None).fflush(None)  # push the C library's buffered banner out while fd 1 is stderr
+            ctypes.CDLL(None).fflush(None)  # drop the C library's buffered banner while fd 1 is the null device
         finally:
             os.dup2(saved, 1)
             os.close(saved)
+            os.close(null)
         _banner_shown = True
     h.setOptionValue("output_flag", False)
     return h

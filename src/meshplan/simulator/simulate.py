@@ -206,5 +206,5 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
     failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
     budget = (("memory_budget_bytes", repr(capacity(cluster, options))),)
-    return Simulation(replace(auto, baselines=summaries, metrics=metrics, notes=auto.notes + failed,
+    return Simulation(replace(auto, baselines=summaries, metrics=auto.metrics + metrics, notes=auto.notes + failed,
                               options=auto.options + budget), results)

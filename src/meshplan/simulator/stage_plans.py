@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.inter.schedules import RUNNABLE_SCHEDULES, replayed_latency
 from meshplan.intra.plan import IntraPlan
 from meshplan.models.training import PieceGraph
 from meshplan.plan import Plan, Stage, StagePiece
@@ -52,7 +53,31 @@ def with_stage_plans(plan: Plan, job: TrainingJob, cluster: Cluster, options: Pl
     """`plan` with every stage's pieces, forward seconds and compute / communication split."""
     solved: dict[tuple, tuple[IntraPlan, PieceTimes]] = {}
     stages = tuple(_stage(stage, plan, job, cluster, options, solved) for stage in plan.stages)
-    return replace(plan, stages=stages)
+    return _replayed(replace(plan, stages=stages))
+
+
+def _replayed(plan: Plan) -> Plan:
+    """`plan` with its pipeline time from replaying its schedule on the stages' forward and
+    backward seconds (what the Chrome trace of a report shows) instead of the stage DP's closed
+    form, which it never exceeds; the closed form stays in the metrics."""
+    p = plan.prediction
+    if p is None or plan.schedule not in RUNNABLE_SCHEDULES or plan.chunks > 1:
+        return plan
+    steps = [s.latency_s for s in plan.stages]
+    forward = [s.forward_s for s in plan.stages]
+    pipeline = replayed_latency(plan.schedule, forward, [t - f for t, f in zip(steps, forward, strict=True)],
+                                plan.num_microbatches)
+    iteration = pipeline + p.sync_time_s
+    speedup = p.iteration_time_s / iteration
+    scaled = replace(p, iteration_time_s=iteration, pipeline_time_s=pipeline,
+                     tokens_per_s=_times(p.tokens_per_s, speedup),
+                     tflops_per_device=_times(p.tflops_per_device, speedup),
+                     mfu=_times(p.mfu, speedup))
+    return replace(plan, prediction=scaled, metrics=plan.metrics + (("pipeline_s.closed_form", p.pipeline_time_s),))
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions,
