@@ -85,3 +85,27 @@ def test_ilp_equals_brute_force(graph, shape, beta, compute, budget_fraction, re
     assert plan.solve.objective == pytest.approx(plan.objective, rel=1e-6, abs=1e-6)
     if budget is not None:
         assert plan.peak_memory <= budget * (1 + 1e-9)
+
+
+def test_warm_started_ilp_found_by_hypothesis():
+    """HiGHS 1.16 reported the optimum (83) of this model yet returned the column values of the
+    warm start (100) when presolve alone solved it; `solve_mip` now checks the values."""
+    from meshplan.ir import DType, Graph, Node, OpKind
+
+    def dot(lhs: int, rhs: int) -> tuple:
+        return (("lhs_batch", ()), ("lhs_contracting", (lhs,)), ("rhs_batch", ()), ("rhs_contracting", (rhs,)))
+
+    nodes = (Node(0, OpKind.PARAMETER, (), (4, 2), DType.F32, (), "x", "", None),
+             Node(1, OpKind.PARAMETER, (), (2, 4), DType.F32, (), "w", "", None),
+             Node(2, OpKind.DOT, (0, 1), (4, 4), DType.F32, dot(1, 0), "", "", None),
+             Node(3, OpKind.TRANSPOSE, (2,), (4, 4), DType.F32, (("perm", (1, 0)),), "", "", None),
+             Node(4, OpKind.DOT, (3, 3), (4, 4), DType.F32, dot(0, 0), "", "", None),
+             Node(5, OpKind.DOT, (4, 4), (4, 4), DType.F32, dot(0, 0), "", "", None))
+    graph = Graph(nodes=nodes, outputs=(5,), aliases=(), force_replicated=(), name="random")
+    mesh = LogicalMesh((2, 1), (1.0, 0.5), (1.0, 1.0))
+    options = IntraOptions(cost=CostModel(flops_per_second=None), reduce_scatter=False)
+    sg, _, _, _ = build_intra_problem(graph, mesh, options)
+    budget = 0.3 * sum(graph[v].nbytes for v in range(len(graph)))
+    expected = brute_force(sg, budget)
+    assert expected == 83.0
+    assert solve_intra(graph, mesh, options.replace(memory_budget=budget)).objective == pytest.approx(expected)

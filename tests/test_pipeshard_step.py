@@ -11,6 +11,7 @@ Tolerances: SGD steps and losses rel. 1e-5, AdamW steps 1e-4 (the issue's bounds
 from __future__ import annotations
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import pytest
 from meshplan.errors import MeshError, MeshplanError, OptionsError
 from meshplan.inter import cluster_layers, layer_flops
 from meshplan.parallel import PipeshardParallel, parallelize
+from meshplan.report.pipeshard_text import pipeshard_text
 from meshplan.runtime import mark_pipeline_boundary
 from meshplan.runtime.gradient import gradient_calls, trace_with_gradients
 from meshplan.runtime.loss_layers import split_loss
@@ -143,6 +145,15 @@ def test_gradient_calls_are_marked_only_while_meshplan_traces():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_gradient_of_constants_is_left_to_jax():
+    def step(p, x):
+        scale = jax.grad(lambda a: a ** 2)(3.0)  # concrete while tracing: evaluated by JAX, not marked
+        value, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p) ** 2) * scale)(p)
+        return p - grads, value
+    closed, _ = trace_with_gradients(step, (jnp.ones((4, 2)), jnp.ones((8, 4))))
+    assert len(gradient_calls(closed.jaxpr)) == 1
+
+
 def test_patch_is_restored_when_the_step_raises():
     def broken(params, x):
         jax.grad(lambda p: jnp.sum(p * x))(params)
@@ -182,7 +193,10 @@ def test_adamw_mlp_step_on_2_and_4_stages(layers):
     new_params, new_state = assert_same_training(parallel, step, (params, optimizer.init(params)),
                                                  regression_data(), tol=1e-4)
     plan = parallel.get_plan()
-    assert len(plan.stages) == layers and plan.option("stages") == "uniform"
+    assert len(plan.stages) == layers and plan.option("stages") == "uniform" and plan.option("layers") == "flops"
+    assert f"stage {layers - 1}" in pipeshard_text(plan)
+    flops = [value for name, value in plan.metrics if name.startswith("layer_flops.")]
+    assert len(flops) == layers and max(flops) <= 1.1 * -(-5 // layers) * (2 * 4 * 32 * 32 + 4 * 32 * 3)
     per = 8 // layers
     for layer in new_params["layers"] + [{"out": new_params["out"]}]:  # each weight updated on one stage's devices
         device_sets = {frozenset(leaf.sharding.device_set) for leaf in jax.tree_util.tree_leaves(layer)}
@@ -190,11 +204,13 @@ def test_adamw_mlp_step_on_2_and_4_stages(layers):
     assert len(parallel.last_events) == 2 * 4 * layers
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_sgd_mlp_step_at_1e_5(schedule):
+@pytest.mark.parametrize(("schedule", "stage_sharding"),
+                         [("gpipe", "auto"), ("1f1b", "auto"), ("1f1b", "data_parallel"), ("gpipe", "replicated")])
+def test_sgd_mlp_step_at_1e_5(schedule, stage_sharding):
     optimizer = optax.sgd(0.1)
     step, params = optax_step(mlp_loss, optimizer), mlp_params()
-    parallel = parallelize(step, method=PipeshardParallel(2, layers=4, schedule=schedule))
+    method = PipeshardParallel(2, layers=4, schedule=schedule, stage_sharding=stage_sharding)
+    parallel = parallelize(step, method=method)
     assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-5)
 
 
@@ -212,7 +228,7 @@ def tied_lm(vocab=64, dim=32, depth=3, seed=0):
     return params, loss
 
 
-def test_tied_embedding_gradients_are_summed_across_stages():
+def test_tied_embedding_gradients_are_summed_across_stages(tmp_path):
     """The embedding is read by the first and the last stage; clipping by the global norm needs
     every stage's gradients; the tokens are cut into inputs and targets before the gradient."""
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
@@ -238,6 +254,9 @@ def test_tied_embedding_gradients_are_summed_across_stages():
     emb = len(params["blocks"])  # flat position of params["emb"], after the blocks' weights
     assert compiled.owners[emb] == (0, 3)  # read by the first layer (lookup) and the last (logits)
     assert {p.stage for p in compiled.update.pieces} >= {0, 1, 2}
+    files = {path.name: path for path in parallel.dump_debug_info(tmp_path)}
+    placements = json.loads(files["placements.json"].read_text())
+    assert placements["weight_stages"][str(emb)] == [0, 3] and placements["update"][0]["ops"] > 0
 
 
 def test_marked_boundaries_in_a_whole_step():
@@ -253,6 +272,7 @@ def test_marked_boundaries_in_a_whole_step():
     parallel = parallelize(step, method=PipeshardParallel(2, stages=((0, 1, 2, 3), (4, 5), (6, 7))))
     assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-5)
     assert parallel._last.layers.marked and parallel._last.layers.num_layers == 3
+    assert parallel.get_plan().option("layers") == "marked"
     with pytest.raises(OptionsError, match="marks 3 layers"):
         parallelize(step, method=PipeshardParallel(2, layers=2))(params, optimizer.init(params), *regression_data())
 
@@ -279,6 +299,59 @@ def test_auto_stages_jax_grad_and_a_jitted_step():
     assert sum(len(s.devices) for s in stages) == 8
 
 
+def test_equinox_filter_value_and_grad_closing_over_the_batch():
+    """eqx.filter_value_and_grad calls jax.value_and_grad; the loss reads the batch from its closure."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(32, 8, 32, depth=3, activation=jax.nn.gelu, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    optimizer = optax.adamw(1e-3)
+
+    def step(params, opt_state, x, y):
+        @eqx.filter_value_and_grad
+        def loss(p):
+            return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+        value, grads = loss(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state, value
+
+    parallel = parallelize(step, method=PipeshardParallel(2, layers=2))
+    assert_same_training(parallel, step, (params, optimizer.init(params)), regression_data(), tol=1e-4)
+
+
+def test_aux_values_are_joined_or_averaged_over_micro_batches():
+    """has_aux: predictions (per example) are joined along the batch, a float metric is averaged."""
+    def loss_with_aux(params, x, y):
+        h = x
+        for layer in params["layers"]:
+            h = jnp.tanh(h @ layer["w"] + layer["b"])
+        pred = h @ params["out"]
+        return jnp.mean((pred - y) ** 2), {"pred": pred.T, "mae": jnp.mean(jnp.abs(pred - y))}
+
+    optimizer = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        (loss, aux), grads = jax.value_and_grad(loss_with_aux, has_aux=True)(params, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **aux}
+
+    def grad_step(params, x, y):  # jax.grad(has_aux=True) returns (grads, aux)
+        grads, aux = jax.grad(loss_with_aux, has_aux=True)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), aux["mae"]
+
+    params, (x, y) = mlp_params(), regression_data()
+    parallel = parallelize(step, method=PipeshardParallel(4, layers=2))
+    got = parallel(params, optimizer.init(params), x, y)
+    want = jax.jit(step)(params, optimizer.init(params), x, y)
+    assert got[2]["pred"].shape == (8, 16)  # (features, batch): joined along dim 1
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got = parallelize(grad_step, method=PipeshardParallel(2, layers=2))(params, x, y)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(grad_step(params, x, y)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # --- wrong configurations: one clear error each ----------------------------------------------------
 
 def sgd_step(params, x, y):
@@ -297,8 +370,8 @@ def test_wrong_configurations_give_clear_errors():
         (lambda p, x, y: jax.grad(mlp_loss)(jax.tree_util.tree_map(lambda a: 2 * a, p), x, y), PipeshardParallel(2),
          "differentiates with respect to a value it computes"),
         (lambda p, x, y: jax.jit(jax.grad(mlp_loss))(p, x, y), PipeshardParallel(2), "nested"),
-        (lambda p, x, y: jax.value_and_grad(lambda *a: (mlp_loss(*a), 0.0), has_aux=True)(p, x, y),
-         PipeshardParallel(2), "without has_aux"),
+        (lambda p, x, y: jax.value_and_grad(lambda *a: (mlp_loss(*a), jnp.sum(a[1] > 0)), has_aux=True)(p, x, y),
+         PipeshardParallel(2), "cannot rebuild from micro-batches"),
     ]
     for fn, method, message in cases:
         with pytest.raises(MeshplanError, match=message):

@@ -8,6 +8,7 @@ Zero3Parallel, PipeshardParallel on 8 CPU devices).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from meshplan import IntraOptions, LogicalMesh, solve_intra
 from meshplan.cluster import Cluster
 from meshplan.cluster.devices import get_device
 from meshplan.files import write_json_atomic, write_text_atomic
+from meshplan.inter.schedules import pipeline_latency, timeline
 from meshplan.models.transformer import PRESETS
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
 from meshplan.plan import SCHEMA_VERSION, Plan, single_stage_plan
@@ -209,6 +211,15 @@ def test_megatron_mlp_is_column_then_row_tensor_parallel(shape):
     assert stage_parallelism(plan).tensor_axes == (axis,) and stage_parallelism(plan).data_axes == ()
 
 
+def test_mixed_2d_plan_is_data_plus_tensor_parallel():
+    """Alpa's 2-layer MLP on a (4, 8) mesh with a slow axis 0: batch over axis 0, Megatron on axis 1."""
+    plan = solve_intra(mlp_2_layer(1024, 128), LogicalMesh((4, 8), (1, 1), (1, 0.01)), IntraOptions.alpa_unit())
+    layouts = {p.name: p.classification for p in parameter_layouts(plan)}
+    assert layouts["w1"] == "tensor parallel column on axis 1, data parallel on axis 0"
+    assert layouts["w2"] == "tensor parallel row on axis 1, data parallel on axis 0"
+    assert stage_parallelism(plan).summary == "data parallel on axis 0, tensor parallel on axis 1"
+
+
 @pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
 def test_data_parallel_mlp_is_data_parallel(shape):
     plan = solve_intra(mlp_2_layer(1024, 128), LogicalMesh(shape, (1, 1), (1, 1)), IntraOptions.alpa_unit())
@@ -331,10 +342,38 @@ def test_chrome_trace_of_the_default_plan(default_plan, tmp_path):
     assert {e["tid"] for e in steps} == set(range(plan.num_stages))
     assert len(steps) == 2 * plan.num_stages * plan.num_microbatches
     span = (max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)) / 1e6
-    assert span == pytest.approx(plan.prediction.pipeline_time_s, rel=1e-9)
+    # The plan's own schedule, replayed here from its stages' forward and backward seconds.
+    replay = timeline(plan.schedule, [s.forward_s for s in plan.stages],
+                      [s.latency_s - s.forward_s for s in plan.stages], plan.num_microbatches)
+    assert span == pytest.approx(max(t.end for t in replay), rel=1e-9)
+    assert span == pytest.approx(trace["otherData"]["replayed_pipeline_time_s"], rel=1e-9)
+    predicted = plan.prediction.pipeline_time_s
+    assert trace["otherData"]["pipeline_time_s"] == predicted
+    assert span == pytest.approx(predicted, rel=1e-9)  # the trace shows what the plan predicts
+    # The stage DP's closed form (kept in the metrics) is an upper bound for 1F1B's replay.
+    assert span <= dict(plan.metrics)["pipeline_s.closed_form"] * (1 + 1e-9)
     everything = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in everything) / 1e6 == pytest.approx(plan.prediction.iteration_time_s,
                                                                                rel=1e-9)
+
+
+def test_chrome_trace_span_is_the_predicted_time_where_the_closed_form_is_exact(default_plan):
+    """GPipe (and any schedule with equal stages) replays to exactly the DP's closed form."""
+    plan = load_plan(default_plan)
+    closed_form = dict(plan.metrics)["pipeline_s.closed_form"]
+    gpipe = dataclasses.replace(plan, schedule="gpipe",
+                                stages=tuple(dataclasses.replace(s, forward_s=None) for s in plan.stages))
+    assert pipeline_latency([s.latency_s for s in plan.stages], plan.num_microbatches) == pytest.approx(
+        closed_form, rel=1e-12)
+    steps = [e for e in chrome_trace(gpipe)["traceEvents"] if e.get("cat") in ("forward", "backward")]
+    span = (max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)) / 1e6
+    assert span == pytest.approx(closed_form, rel=1e-9)
+    same = plan.stages[0].latency_s
+    equal = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, latency_s=same, forward_s=None)
+                                                   for s in plan.stages))
+    predicted = pipeline_latency([s.latency_s for s in equal.stages], plan.num_microbatches)
+    assert max(s.end for s in iteration_spans(equal) if s.category == "backward") == pytest.approx(predicted,
+                                                                                                   rel=1e-9)
 
 
 def test_chrome_trace_of_a_pipeshard_dump(runtime_dumps):
@@ -477,6 +516,13 @@ def test_diff_lists_the_largest_differences_first(default_plan, small_plan, tmp_
     assert "largest first" in result.stdout and "…" not in result.stdout
     same = meshplan("diff", str(default_plan), str(default_plan))
     assert same.returncode == 0 and "identically" in same.stdout and a.model in same.stdout
+
+
+def test_diff_with_a_plan_without_layouts_says_so_once(small_plan):
+    plan = load_plan(small_plan)
+    bare = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, pieces=()) for s in plan.stages))
+    changes = diff_plans(plan, bare)
+    assert [(c.what, c.before, c.after) for c in changes] == [("parameter layouts", "recorded", "not recorded")]
 
 
 def test_diff_of_two_models_is_refused(default_plan, small_plan):

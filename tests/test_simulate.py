@@ -109,6 +109,10 @@ def run(*args):
     (("--global-batch", "10", "--microbatch-sizes", "3"), "does not divide"),
     (("--model", "llama2-70b", "--cluster", "1x4", "--device", "v100-16gb", "--global-batch", "4",
       "--seq-len", "256", "--microbatch-sizes", "1", "--no-baselines"), "does not fit"),
+    (("--layout", "tp=8,pq=2"), "'pq=2' is not KEY=VALUE"),
+    (("--layout", "tp=8,pp=8,dp=16"), "needs 1024 devices"),
+    (("--layout", "tp=3"), "tp=3 does not divide"),
+    (("--layout", "tp=4,pp=2,dp=25", "--efficiency-file", "/nonexistent/eff.json"), "does not exist"),
 ])
 def test_simulate_user_errors(args, message):
     result = run(*args)
@@ -148,6 +152,20 @@ def test_reduce_scatter_widens_the_piece_plans():
     assert CollectiveKind.REDUCE_SCATTER not in kinds[False]
     assert CollectiveKind.REDUCE_SCATTER in kinds[True]
     assert costs[True] <= costs[False] * (1 + 1e-4)  # the solver's relative gap
+
+
+def test_any_global_batch_plans_with_idle_devices_reported():
+    """`meshplan simulate --global-batch 7` (LLaMA2-13B on 50 x 4 V100-32GB): the stage DP over
+    all 200 devices finds no plan for 7 sequences; the fastest fitting layout is the plan, its
+    idle devices named."""
+    result = run("--global-batch", "7", "--workers", "1", "--no-baselines", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["label"] == "auto" and data["prediction"]["iteration_time_s"] > 0
+    assert data["prediction"]["peak_memory_bytes"] <= 32 * 2**30 * 0.9
+    assert any("stay idle" in note for note in data["notes"])
+    used = sum(len(s["devices"]) for s in data["stages"])
+    assert used < 200 and f"{200 - used} of 200 devices stay idle" in " ".join(data["notes"])
 
 
 def test_menu_from_one_enumeration_equals_separate_solves():

@@ -1,15 +1,16 @@
-"""A feasible assignment fast: greedy by memory, then feasible single-node moves.
+"""A feasible assignment fast: greedy by memory, repair, then feasible moves.
 
-Input: a presolved StrategyProblem and its memory rows. Output: `Incumbent`, a mutable
-assignment that keeps its cost and per-row memory slack up to date, so that moves (here) and
-window re-optimizations (`lns`) can be checked and applied in time proportional to what they
-touch.
+Input: a presolved StrategyProblem and its memory rows. Output: assignments as arrays, and
+`Incumbent`, a mutable assignment that keeps its cost and per-row memory slack up to date, so
+that window re-optimizations (`lns`) can be checked and applied in time proportional to what
+they touch.
 
 The greedy start takes, per node, the strategy that uses the least memory (ties: the cheaper
 one); when even that exceeds the limit somewhere, no assignment fits and the problem is
 infeasible only if the smallest usage of every term already breaks it (checked by the
-caller). Local moves then switch one node to its cheapest strategy that keeps every row
-within its capacity, sweeping until no node improves.
+caller). `repair` brings an assignment over capacity back within it by pricing the rows
+that are over; `improve_feasible` moves whole colour classes at once (`pairwise.icm_sweep`)
+and takes back the moves that would break a row.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 
 import numpy as np
 
-from meshplan.intra.memory import MemoryRows, row_loads
+from meshplan.intra.memory import MemoryRows, TermIndex, row_loads
+from meshplan.intra.pairwise import PairwiseIndex, class_local_costs, icm_sweep, segment_argmin
 from meshplan.intra.problem import StrategyProblem
 
 
@@ -130,25 +132,67 @@ def _local_index(r) -> np.ndarray:
     return np.arange(len(r.values)) - np.repeat(r.ptr[:-1], r.lengths)
 
 
-def improve_by_moves(inc: Incumbent, deadline: float, rng: np.random.Generator, sweeps: int = 50) -> int:
-    """Feasible single-node moves, in random order, until a sweep improves nothing."""
-    moves = 0
+def repair(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, lam: np.ndarray, choice: np.ndarray,
+           deadline: float, max_rounds: int = 200) -> bool:
+    """Bring `choice` (updated in place) within every row's capacity: raise the prices of the
+    rows over capacity and let the nodes live there move (a colour class at a time) to their
+    best strategy under the raised prices, until every row fits. Returns whether it does."""
+    capacity = terms.rows.capacity
+    raised = lam.copy()
+    floor = _price_floor(unary, capacity)
+    for _ in range(max_rounds):
+        over = terms.loads(choice) > capacity
+        if not over.any():
+            return True
+        if time.perf_counter() > deadline:
+            return False
+        raised[over] = raised[over] * 1.5 + floor
+        priced = unary + terms.prices(raised)
+        movable = np.zeros(ix.num_nodes, dtype=bool)
+        movable[terms.node[terms.touching(over)]] = True
+        icm_sweep(ix, priced, choice, movable)
+    return bool((terms.loads(choice) <= capacity).all())
+
+
+def _price_floor(unary: np.ndarray, capacity: np.ndarray) -> float:
+    """A small price per byte and row: one thousandth of the mean cost per byte of capacity."""
+    finite = unary[np.isfinite(unary)]
+    scale = float(np.abs(finite).mean()) if len(finite) else 1.0
+    return 1e-3 * max(scale, 1.0) / max(float(np.abs(capacity).mean()), 1.0)
+
+
+def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, choice: np.ndarray,
+                     sweeps: int = 10) -> int:
+    """Iterated conditional modes that keep every row within capacity: a colour class moves at
+    once to its best strategies; moves of nodes live at a row that the batch pushed over
+    capacity are taken back until all rows fit. `choice` must fit on entry; returns moves."""
+    capacity = terms.rows.capacity
+    moved = 0
     for _ in range(sweeps):
-        improved = 0
-        for v in rng.permutation(inc.problem.num_nodes):
-            if time.perf_counter() > deadline:
-                return moves
-            local = inc.local_costs(int(v))
-            current = local[inc.choice[v]]
-            better = local < current - 1e-9 * max(abs(current), 1.0)
-            if not better.any():
-                continue
-            fits = better & inc.memory_fits(int(v))
-            if fits.any():
-                candidates = np.flatnonzero(fits)
-                inc.move(int(v), int(candidates[np.argmin(local[candidates])]), local)
-                improved += 1
-        moves += improved
-        if not improved:
+        swept = 0
+        for c in range(len(ix.color_entries)):
+            local = class_local_costs(ix, unary, choice, c)
+            best = segment_argmin(ix, local)
+            now = local[ix.ptr[:-1] + choice]
+            gain = now - local[ix.ptr[:-1] + best]
+            go = np.flatnonzero((ix.colors == c) & (gain > 1e-12 * np.maximum(np.abs(now), 1.0)))
+            old = choice[go].copy()
+            choice[go] = best[go]
+            while len(go):
+                over = terms.loads(choice) > capacity
+                if not over.any():
+                    break
+                at_over = np.zeros(ix.num_nodes, dtype=bool)
+                at_over[terms.node[terms.touching(over)]] = True
+                back = at_over[go]
+                if not back.any():  # cannot happen: only moved nodes changed any load
+                    choice[go] = old
+                    go = go[:0]
+                    break
+                choice[go[back]] = old[back]
+                go, old = go[~back], old[~back]
+            swept += len(go)
+        moved += swept
+        if not swept:
             break
-    return moves
+    return moved

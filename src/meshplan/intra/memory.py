@@ -68,10 +68,11 @@ def _peak_points(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 def row_loads(rows: MemoryRows, term_use: np.ndarray) -> np.ndarray:
     """Summed usage per row when term t holds term_use[t]."""
-    delta = np.zeros(len(rows) + 1)
     covers = rows.first <= rows.last
-    np.add.at(delta, rows.first[covers], term_use[covers])
-    np.add.at(delta, rows.last[covers] + 1, -term_use[covers])
+    used = term_use[covers]
+    n = len(rows) + 1
+    delta = (np.bincount(rows.first[covers], weights=used, minlength=n)
+             - np.bincount(rows.last[covers] + 1, weights=used, minlength=n))
     return np.cumsum(delta[:-1])
 
 
@@ -110,3 +111,56 @@ def chain_block(rows: MemoryRows, term_var: np.ndarray, term_ptr: np.ndarray, us
     c = np.concatenate([first_m + m_rows, first_m + m_rows[:-1], var, var[inside]])
     v = np.concatenate([np.ones(n_rows), -np.ones(max(n_rows - 1, 0)), -use, use[inside]])
     return ChainBlock(r, c, v)
+
+
+@dataclass(frozen=True, slots=True)
+class TermIndex:
+    """Memory terms against a problem's flat strategy array, for vectorized search.
+
+    Attributes:
+        rows: the memory rows.
+        node: per term, its node; start: per term, where its usages start in `usage`.
+        usage: per (term, strategy) entry, the usage; flat: that strategy's flat index.
+        num_flat: the number of flat strategies of the problem.
+    """
+
+    rows: MemoryRows
+    node: np.ndarray
+    start: np.ndarray
+    usage: np.ndarray
+    flat: np.ndarray
+    num_flat: int
+
+    @property
+    def covers(self) -> np.ndarray:
+        return self.rows.first <= self.rows.last
+
+    def term_use(self, choice: np.ndarray) -> np.ndarray:
+        return self.usage[self.start + choice[self.node]] if len(self.node) else np.zeros(0)
+
+    def loads(self, choice: np.ndarray) -> np.ndarray:
+        """Summed usage per row under `choice`."""
+        return row_loads(self.rows, self.term_use(choice))
+
+    def prices(self, lam: np.ndarray) -> np.ndarray:
+        """Per flat strategy: its usage times the price of every row it covers."""
+        rows = self.rows
+        prefix = np.concatenate([[0.0], np.cumsum(lam)])
+        per_term = np.where(self.covers, prefix[rows.last + 1] - prefix[np.minimum(rows.first, len(rows))], 0.0)
+        lengths = np.diff(np.r_[self.start, len(self.usage)])
+        return np.bincount(self.flat, weights=self.usage * np.repeat(per_term, lengths), minlength=self.num_flat)
+
+    def touching(self, row_mask: np.ndarray) -> np.ndarray:
+        """Per term, whether it covers any row in `row_mask`."""
+        rows = self.rows
+        prefix = np.concatenate([[0], np.cumsum(row_mask)])
+        return self.covers & (prefix[rows.last + 1] - prefix[np.minimum(rows.first, len(rows))] > 0)
+
+
+def term_index(rows: MemoryRows, node: np.ndarray, usages, costs_ptr: np.ndarray) -> TermIndex:
+    """Index the memory terms (`node`, `usages`: a Ragged per term) of a problem whose node v's
+    flat strategies start at costs_ptr[v]."""
+    lengths = usages.lengths
+    local = np.arange(len(usages.values)) - np.repeat(usages.ptr[:-1], lengths)
+    flat = np.repeat(costs_ptr[node], lengths) + local
+    return TermIndex(rows, node, usages.ptr[:-1].copy(), usages.values, flat, int(costs_ptr[-1]))

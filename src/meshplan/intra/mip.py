@@ -219,7 +219,30 @@ class MipOutcome:
 
 def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = None, mip_gap: float = 0.0,
               threads: int = 1) -> MipOutcome:
-    """Solve with HiGHS; `start` (an assignment of the block) is passed as the incumbent."""
+    """Solve with HiGHS; `start` (an assignment of the block) is passed as the incumbent.
+
+    HiGHS 1.16 can report a better objective than the start's yet return the start's column
+    values (seen when presolve alone solves the model); the values are checked against the
+    objective, and on a mismatch the model is solved again without the start.
+    """
+    begin = time.perf_counter()
+    outcome, values = _run_highs(model, time_limit, start, mip_gap, threads)
+    if start is not None and values is not None and outcome.objective is not None:
+        found = float(model.cost @ values) + model.offset
+        if abs(found - outcome.objective) > 1e-6 * max(abs(outcome.objective), 1.0):
+            remaining = time_limit - (time.perf_counter() - begin)
+            retry, retry_values = _run_highs(model, max(remaining, 0.5), None, mip_gap, threads)
+            if retry.choice is not None and abs(float(model.cost @ retry_values) + model.offset
+                                                - retry.objective) <= 1e-6 * max(abs(retry.objective), 1.0):
+                outcome = retry
+            else:  # keep the start, whose cost is known; the bound still holds
+                outcome = MipOutcome(start.copy(), found, outcome.bound, False, False, outcome.wall_s)
+    return MipOutcome(outcome.choice, outcome.objective, outcome.bound, outcome.optimal, outcome.infeasible,
+                      time.perf_counter() - begin)
+
+
+def _run_highs(model: MipModel, time_limit: float, start: np.ndarray | None, mip_gap: float,
+               threads: int) -> tuple[MipOutcome, np.ndarray | None]:
     import highspy
 
     begin = time.perf_counter()
@@ -236,13 +259,13 @@ def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = Non
     info, status = h.getInfo(), h.getModelStatus()
     ms = highspy.HighsModelStatus
     if status == ms.kInfeasible:
-        return MipOutcome(None, None, None, False, True, wall)
+        return MipOutcome(None, None, None, False, True, wall), None
     bound = info.mip_dual_bound + model.offset if np.isfinite(info.mip_dual_bound) else None
     if info.primal_solution_status != 2:  # no feasible solution
-        return MipOutcome(None, None, bound, False, False, wall)
+        return MipOutcome(None, None, bound, False, False, wall), None
     x = np.asarray(h.getSolution().col_value)
     objective = info.objective_function_value + model.offset
-    return MipOutcome(model.choice(x), objective, bound, status == ms.kOptimal, False, wall)
+    return MipOutcome(model.choice(x), objective, bound, status == ms.kOptimal, False, wall), x
 
 
 def _highs_lp(highspy, model: MipModel):

@@ -5,11 +5,13 @@ The one entry every intra-op problem goes through (model-built and captured grap
 
 1. exact presolve (`presolve`), which also spots forbidden structures that admit nothing;
 2. compact memory rows (`memory`);
-3. a feasible plan within seconds: least memory per node, then feasible single-node moves
-   (`local_search`);
+3. a feasible plan within seconds: least memory per node, then feasible moves of whole
+   colour classes (`local_search`);
 4. then, until the time limit: the whole MIP warm-started from that plan when it is small
-   enough to solve (this also proves a bound), else large-neighbourhood search whose windows
-   are exact sub-MIPs (`lns`).
+   enough to solve (this also proves a bound), else memory prices (`lagrange`: Lagrangian
+   relaxation of the memory rows, priced plans decoded from a message-passing dual, which
+   also proves a bound) and, on the best plan, large-neighbourhood search whose windows are
+   exact sub-MIPs (`lns`).
 
 The best feasible assignment found is returned with the best proven bound; a solution found
 is never reported as "no solution".
@@ -26,14 +28,16 @@ import numpy as np
 from meshplan.errors import OptionsError
 from meshplan.intra.lagrange import price_memory
 from meshplan.intra.lns import run_lns
-from meshplan.intra.local_search import Incumbent, improve_by_moves, least_memory_choice
-from meshplan.intra.memory import MemoryRows, memory_rows
+from meshplan.intra.local_search import Incumbent, improve_feasible, least_memory_choice
+from meshplan.intra.memory import MemoryRows, TermIndex, memory_rows, term_index
 from meshplan.intra.mip import Block, MipModel, build_mip, solve_mip
+from meshplan.intra.pairwise import PairwiseIndex, pairwise_index
 from meshplan.intra.presolve import Infeasible, Presolved, presolve
 from meshplan.intra.problem import StrategyProblem
 from meshplan.intra.solvers import SolveStatus
 
 BACKENDS = ("highs", "cbc")
+PRICING_SHARE = 0.7  # of the time left after presolve, for memory prices; the rest for windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,19 +146,17 @@ def _search(problem: StrategyProblem, pre: Presolved, rows: MemoryRows, start: f
     if q.num_nodes == 0:  # presolve decided everything
         return _answer(problem, pre, np.zeros(0, dtype=np.int64), True, start, options, stats)
     rng = np.random.default_rng(options.seed)
-    inc = Incumbent(q, rows, least_memory_choice(q, rows))
-    if inc.feasible:
-        improve_by_moves(inc, min(deadline, time.perf_counter() + max(1.0, 0.1 * options.time_limit)), rng)
-        stats.update(heuristic_cost=inc.cost + pre.offset, heuristic_s=time.perf_counter() - start)
+    ix = pairwise_index(q)
+    terms = term_index(rows, q.memory.node, q.memory.usages, q.costs.ptr)
+    greedy = least_memory_choice(q, rows)
+    fits = bool((terms.loads(greedy) <= rows.capacity).all())
+    if fits:
+        improve_feasible(ix, terms, q.costs.values, greedy)
+        stats.update(heuristic_cost=q.cost_of(greedy) + pre.offset, heuristic_s=time.perf_counter() - start)
     model = _full_model(pre, rows, options)
-    if model is None and inc.feasible:
-        rounds = price_memory(inc, start + 0.7 * (deadline - start), rng)
-        stats.update(priced_cost=inc.cost + pre.offset, price_wins=rounds, priced_s=time.perf_counter() - start)
-        lns = run_lns(inc, deadline - 0.05 * options.time_limit, rng)
-        stats.update(lns_windows=lns.windows, lns_improved=lns.improved, lns_window=lns.final_window)
-        return _answer(problem, pre, inc.choice, False, start, options, stats, bound=_trivial_bound(pre))
     if model is None:
-        model = build_mip(whole_block(pre, rows))
+        return _search_large(problem, pre, (ix, terms, rows), greedy, fits, start, deadline, options, stats, rng)
+    inc = Incumbent(q, rows, greedy)
     stats.update(mip_columns=model.num_cols, mip_rows=model.num_rows)
     outcome = _run_model(model, inc, deadline, options)
     stats["mip_s"] = outcome.wall_s
@@ -166,6 +168,26 @@ def _search(problem: StrategyProblem, pre: Presolved, rows: MemoryRows, start: f
         best = outcome.choice
     bound = outcome.bound if outcome.bound is not None else _trivial_bound(pre)
     return _answer(problem, pre, best, outcome.optimal and best is outcome.choice, start, options, stats, bound=bound)
+
+
+def _search_large(problem: StrategyProblem, pre: Presolved, index: tuple[PairwiseIndex, TermIndex, MemoryRows],
+                  greedy: np.ndarray, fits: bool, start: float, deadline: float, options: ProblemOptions,
+                  stats: dict[str, Any], rng: np.random.Generator) -> ProblemSolution:
+    """Memory prices (which also prove a bound), then neighbourhood search on the best plan."""
+    ix, terms, rows = index
+    q = pre.problem
+    priced = price_memory(q, ix, terms, greedy, fits, start + PRICING_SHARE * (deadline - start), rng)
+    bound = max(_trivial_bound(pre), priced.bound + pre.offset)
+    stats.update(priced_cost=priced.cost + pre.offset, price_rounds=priced.rounds, price_wins=priced.improvements,
+                 priced_bound=priced.bound + pre.offset, priced_s=time.perf_counter() - start)
+    if priced.choice is None:
+        return _answer(problem, None, None, False, start, options, stats, bound=bound)
+    if priced.cost - priced.bound <= 1e-9 * max(abs(priced.cost), 1.0):  # the prices proved it optimal
+        return _answer(problem, pre, priced.choice, True, start, options, stats)
+    inc = Incumbent(q, rows, priced.choice)
+    lns = run_lns(inc, deadline - 0.03 * options.time_limit, rng)
+    stats.update(lns_windows=lns.windows, lns_improved=lns.improved, lns_window=lns.final_window)
+    return _answer(problem, pre, inc.choice, False, start, options, stats, bound=bound)
 
 
 def _full_model(pre: Presolved, rows: MemoryRows, options: ProblemOptions) -> MipModel | None:

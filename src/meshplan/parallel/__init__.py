@@ -1,8 +1,9 @@
 """The user API: `parallelize` a JAX function with a method (one Method protocol) and run it.
 
 SPMD methods (ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, TensorParallel) shard
-one step over one logical mesh (SpmdFunction); PipeshardParallel pipelines a loss function's
-layers over sub-meshes, each stage sharded by its own plan (PipeshardFunction). Both share the
+one step over one logical mesh (SpmdFunction); PipeshardParallel pipelines a whole train step
+(its loss cut into layers, the optimizer update per stage; pipeshard_step) or a loss function
+cut by hand over sub-meshes, each stage sharded by its own plan (PipeshardFunction). Both share the
 ParallelizedFunction skeleton: a plan per input signature, `get_plan`, `dump_debug_info`.
 """
 

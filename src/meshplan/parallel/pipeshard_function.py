@@ -1,7 +1,9 @@
-"""PipeshardFunction: a loss function with pipeline boundaries run as a pipeline of sharded stages.
+"""PipeshardFunction: a train step, or a loss function with boundaries, run as a pipeline of sharded stages.
 
-On the first call with new argument shapes the function is cut at its `mark_pipeline_boundary`
-calls into layers (runtime.boundary.split_into_stages), the layers grouped into stages as the
+On the first call with new argument shapes the function is traced with its gradient marked. A
+train step (one that takes a gradient) has its loss cut into layers and its update placed per
+stage (meshplan.parallel.pipeshard_step); a loss function is cut at its `mark_pipeline_boundary`
+calls into layers (runtime.boundary.split_into_stages). Either way the layers are grouped into stages as the
 PipeshardParallel options say (meshplan.parallel.pipeshard, or the inter-op pass for "auto":
 meshplan.parallel.stage_pricing), each stage laid out on its sub-mesh (runtime.stage_layout:
 planned by the intra-op ILP, data parallel or replicated), and micro-batches run through
@@ -12,7 +14,7 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -70,6 +72,7 @@ class _StepCompiled:
     batch: dict[int, int]  # flat step input -> its batch dim
     owners: dict[int, tuple[int, ...]]  # differentiated step input -> the stages whose layers read it
     update: UpdateRunner
+    aux_rules: tuple[int | None, ...]  # per aux value: the dim its micro-batches are joined along; None: mean
 
 
 class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
@@ -136,6 +139,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         stage its forward's input and output shardings and compile diagnostics; the last call's
         steps as "F0.1": phase, stage, micro-batch). A stage whose forward XLA had to fully
         rematerialize raises a RematerializationWarning."""
+        step = compiled if isinstance(compiled, _StepCompiled) else None
         compiled = _parts(compiled)
         files: dict[str, DebugFile] = {}
         placements = []
@@ -149,6 +153,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                                **diagnostics.to_dict()})
         files["plan.json"] = compiled.plan.to_dict()
         files["placements.json"] = {"stages": placements, "events": [e.label for e in self._events]}
+        if step is not None:  # a train step: where its update runs, and the stages reading each weight
+            files["placements.json"]["update"] = [{"stage": p.stage, "ops": len(p.eqns), "inputs": len(p.inputs),
+                                                   "outputs": len(p.outputs)} for p in step.update.pieces]
+            files["placements.json"]["weight_stages"] = {str(w): list(s) for w, s in step.owners.items()}
         return files
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled:
@@ -163,9 +171,9 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
             return self._build_step(args, step, devices)
         if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
             raise OptionsError(
-                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call without has_aux while "
-                f"tracing) and is not a loss function called as f(params, x, targets) with one params entry per "
-                f"layer; PipeshardParallel pipelines a whole train step that takes its gradient with "
+                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call while tracing) and "
+                f"is not a loss function called as f(params, x, targets) with one params entry per layer; "
+                f"PipeshardParallel pipelines a whole train step that takes its gradient with "
                 f"jax.grad/jax.value_and_grad (e.g. `loss, grads = jax.value_and_grad(loss_fn)(params, batch)`), "
                 f"or such a loss function")
         if self.method.layers != "auto":
@@ -179,38 +187,34 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
 
     def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
         """Cut the step's loss into layers at micro-batch shapes, pipeline them, place the update."""
-        method, name = self.method, self.__name__
         leaves, tree = jax.tree_util.tree_flatten(args)
         batch = self._batch_dims(args, leaves)
-        micro_leaves = [_micro_shape(leaf, batch.get(i), method.num_micro_batches) for i, leaf in enumerate(leaves)]
-        micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), name)
-        same_gradient(step, micro, name)
+        count = self.method.num_micro_batches
+        micro_leaves = [_micro_shape(leaf, batch.get(i), count) for i, leaf in enumerate(leaves)]
+        micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), self.__name__)
+        same_gradient(step, micro, self.__name__)
+        loss, layers = self._cut_loss(micro, len(devices))
+        layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
+        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
+        aux_rules = _aux_rules(step, micro, count, self.__name__)
+        rows = min(np.shape(micro_leaves[i])[d] for i, d in batch.items())
+        parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices,
+                                                   has_aux=bool(aux_rules), micro_rows=rows), layers)
+        owners = _weight_stages(loss, layers, parts.stages)
+        update = _update_runner(step, owners, len(aux_rules), parts.pipeline.stage_meshes)
+        return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
+
+    def _cut_loss(self, micro: TracedStep, num_devices: int) -> tuple[LossProgram, LossLayers]:
+        """The loss program of the micro-batch trace, cut at its marks or into `layers` by FLOPs."""
+        method, name = self.method, self.__name__
         loss = loss_program(micro, name)
         marks = count_marks(loss.closed)
         if marks and method.layers not in ("auto", marks + 1):
             raise OptionsError(f"{name}'s loss marks {marks + 1} layers with mark_pipeline_boundary but "
                                f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
                                f"or remove the marks to cut into {method.layers} layers by FLOPs")
-        count = None if marks else method.layers if method.layers != "auto" else auto_layer_count(method,
-                                                                                                   len(devices))
-        layers = split_loss(loss.closed, loss.weights, count)
-        layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
-        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
-        parts = self._pipelined(layers.fns, layer_params, micro_x, (), devices)
-        stage_of_layer = {k: j for j, s in enumerate(parts.stages) for k in range(s.first, s.last + 1)}
-        owners: dict[int, tuple[int, ...]] = {}
-        for k, weights in enumerate(layers.weights):
-            for p in weights:
-                owners.setdefault(loss.inputs[p], ())
-                owners[loss.inputs[p]] += (stage_of_layer[k],)
-        jaxpr = step.closed.jaxpr
-        gradient = jaxpr.eqns[step.gradient.index]
-        home = lambda leaf: min(owners.get(leaf, (0,)))
-        homes = {gradient.outvars[0]: len(parts.stages) - 1}
-        homes.update((gradient.outvars[1 + j], home(leaf)) for j, leaf in enumerate(step.differentiated))
-        homes.update((jaxpr.invars[leaf], home(leaf)) for leaf in step.differentiated)
-        update = UpdateRunner(step, update_pieces(step, homes), parts.pipeline.stage_meshes)
-        return _StepCompiled(parts, step, loss, layers, batch, owners, update)
+        count = method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
+        return loss, split_loss(loss.closed, loss.weights, None if marks else count)
 
     def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
         """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
@@ -247,15 +251,20 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         gradient = jaxpr.eqns[compiled.step.gradient.index]
         env = dict(zip(jaxpr.invars, leaves, strict=True))
         env[gradient.outvars[0]] = result.loss
+        num_aux = len(compiled.aux_rules)
+        for j, dim in enumerate(compiled.aux_rules):
+            env[gradient.outvars[1 + j]] = _joined([aux[j] for aux in result.aux], dim)
         for j, leaf in enumerate(compiled.step.differentiated):
             got = contributions.get(leaf)
-            env[gradient.outvars[1 + j]] = summed(got) if got else on_mesh(
+            env[gradient.outvars[1 + num_aux + j]] = summed(got) if got else on_mesh(
                 jnp.zeros(np.shape(leaves[leaf]), leaves[leaf].dtype), parts.pipeline.stage_meshes[0])
         return compiled.update(env)
 
     def _pipelined(self, layer_fns: Sequence[Callable[..., Any]], layer_params: list[Any], micro_x: Any,
-                   micro_t: Any, devices: list[Any]) -> _Compiled:
-        """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs)."""
+                   micro_t: Any, devices: list[Any], has_aux: bool = False, micro_rows: int | None = None) -> _Compiled:
+        """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs);
+        with `has_aux` the last layer returns `(loss, aux)`; `micro_rows`: examples per
+        micro-batch (default: `micro_x`'s first leaf's leading dim)."""
         method, params = self.method, layer_params
         search = None
         if method.stages == "auto":
@@ -265,14 +274,15 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         else:
             stages = stage_assignments(method, len(params), len(devices))
         if method.stage_sharding == "data_parallel":
-            _check_data_parallel(stages, jax.tree_util.tree_leaves(micro_x)[0].shape[0], method)
+            rows = jax.tree_util.tree_leaves(micro_x)[0].shape[0] if micro_rows is None else micro_rows
+            _check_data_parallel(stages, rows, method)
         stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
         meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
                        axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
         stage_params = [tuple(params[s.first:s.last + 1]) for s in stages]
         acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
         layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
-        pipeline = Pipeline(stage_fns, meshes, layouts=layouts)
+        pipeline = Pipeline(stage_fns, meshes, layouts=layouts, last_has_aux=has_aux)
         return _Compiled(pipeline, stages, self._plan_record(stages, layouts, search), search,
                          _stage_examples(pipeline, stage_params, acts, targets_shapes))
 
@@ -310,6 +320,69 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
+
+
+def _with_layer_record(parts: _Compiled, layers: LossLayers) -> _Compiled:
+    """`parts` whose Plan also says how the loss was cut (option "layers", metrics "layer_flops.<k>")."""
+    plan = parts.plan
+    return replace(parts, plan=replace(
+        plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
+        metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
+
+
+def _weight_stages(loss: LossProgram, layers: LossLayers,
+                   stages: Sequence[StageAssignment]) -> dict[int, tuple[int, ...]]:
+    """Differentiated step input -> the stages whose layers read it, in order (the first owns it)."""
+    stage_of_layer = {k: j for j, s in enumerate(stages) for k in range(s.first, s.last + 1)}
+    owners: dict[int, tuple[int, ...]] = {}
+    for k, weights in enumerate(layers.weights):
+        for p in weights:
+            owners[loss.inputs[p]] = (*owners.get(loss.inputs[p], ()), stage_of_layer[k])
+    return owners
+
+
+def _update_runner(step: TracedStep, owners: dict[int, tuple[int, ...]], num_aux: int,
+                   meshes: Sequence[Mesh]) -> UpdateRunner:
+    """The update placed on the stages: the loss and aux values live on the last stage, each weight
+    and its gradient on its owner (stage 0 for a weight no layer reads)."""
+    jaxpr = step.closed.jaxpr
+    gradient = jaxpr.eqns[step.gradient.index]
+    owner = lambda leaf: owners.get(leaf, (0,))[0]
+    homes = {v: len(meshes) - 1 for v in gradient.outvars[:1 + num_aux]}
+    homes.update((gradient.outvars[1 + num_aux + j], owner(leaf)) for j, leaf in enumerate(step.differentiated))
+    homes.update((jaxpr.invars[leaf], owner(leaf)) for leaf in step.differentiated)
+    return UpdateRunner(step, update_pieces(step, homes), meshes)
+
+
+def _aux_rules(full: TracedStep, micro: TracedStep, count: int, name: str) -> tuple[int | None, ...]:
+    """How each aux value of the loss is rebuilt from its micro-batches: joined along the dim
+    that is `count` times longer at full-batch shapes, or, for a float value of the same shape
+    (a mean, an accuracy), averaged like the loss."""
+    rules = []
+    for j, (whole, part) in enumerate(zip(full.gradient.loss.out_avals[1:], micro.gradient.loss.out_avals[1:],
+                                          strict=True)):
+        grown = [d for d, (a, b) in enumerate(zip(whole.shape, part.shape, strict=True)) if a != b]
+        if len(grown) == 1 and whole.shape[grown[0]] == count * part.shape[grown[0]]:
+            rules.append(grown[0])
+        elif not grown and jnp.issubdtype(whole.dtype, jnp.inexact):
+            rules.append(None)
+        else:
+            raise OptionsError(
+                f"{name}'s loss returns aux value {j} ({whole.str_short()}; {part.str_short()} per micro-batch), "
+                f"which meshplan cannot rebuild from micro-batches: it joins values that carry the batch along "
+                f"one dim and averages float values that do not (as it averages the loss); return e.g. a float "
+                f"mean instead of an integer count")
+    return tuple(rules)
+
+
+@jax.jit
+def _mean_of(values: list[Any]) -> Any:
+    return sum(values) / len(values)
+
+
+def _joined(values: list[Any], dim: int | None) -> Any:
+    """One aux value from its micro-batches' (see `_aux_rules`)."""
+    return _mean_of(values) if dim is None else jnp.concatenate(values, axis=dim)
 
 
 def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:

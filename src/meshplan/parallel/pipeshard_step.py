@@ -118,13 +118,14 @@ def trace_step(fn: Any, args: Sequence[Any], name: str) -> TracedStep | None:
 
 def same_gradient(full: TracedStep, micro: TracedStep, name: str) -> None:
     """Raise unless the step traced at micro-batch shapes takes the same gradient as at full shapes."""
-    if full.differentiated != micro.differentiated or full.gradient.differentiated != micro.gradient.differentiated:
+    if (full.differentiated != micro.differentiated or full.gradient.differentiated != micro.gradient.differentiated
+            or full.gradient.num_aux != micro.gradient.num_aux):
         raise OptionsError(f"{name} takes a different gradient when its batch is cut into micro-batches; "
                            f"PipeshardParallel needs a step whose structure does not depend on the batch size")
 
 
 def loss_program(step: TracedStep, name: str) -> LossProgram:
-    """The gradient's loss as a jaxpr of step inputs, with the equations computing its
+    """The gradient's loss (and aux values) as a jaxpr of step inputs, with the equations computing its
     non-differentiated operands (from step inputs) folded in front.
 
     Raises:
@@ -150,7 +151,7 @@ def loss_program(step: TracedStep, name: str) -> LossProgram:
 
     def loss(*values: Any) -> Any:
         env = replay(prelude_eqns, {**consts, **{jaxpr.invars[i]: v for i, v in zip(inputs, values, strict=True)}})
-        return jaxpr_as_fun(step.gradient.loss)(*(read(env, v) for v in eqn.invars))[0]
+        return jaxpr_as_fun(step.gradient.loss)(*(read(env, v) for v in eqn.invars))  # the loss, then aux values
 
     closed = jax.make_jaxpr(loss)(*(jax.ShapeDtypeStruct(jaxpr.invars[i].aval.shape, jaxpr.invars[i].aval.dtype)
                                     for i in inputs))

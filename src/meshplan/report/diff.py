@@ -139,6 +139,9 @@ def parameter_specs(plan: Plan) -> dict[str, tuple[str, int]]:
 
 def _layouts(a: Plan, b: Plan) -> list[Difference]:
     specs_a, specs_b = parameter_specs(a), parameter_specs(b)
+    if not specs_a or not specs_b:  # a plan without intra-op plans (e.g. a priced layout) records no layouts
+        words = ("recorded" if specs_a else "not recorded", "recorded" if specs_b else "not recorded")
+        return [] if words[0] == words[1] else [Difference("parameter layouts", *words, 1.0)]
     total = sum(size for _, size in specs_a.values()) or 1
     groups: dict[tuple[str, str, str], list[tuple[int | None, int]]] = {}
     for name in sorted(set(specs_a) | set(specs_b)):

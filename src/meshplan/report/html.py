@@ -97,11 +97,15 @@ def schedule_figure(plan: Plan):
         fig.add_trace(go.Bar(name=category, orientation="h", y=[labels[s.stage] for s in chosen],
                              base=[s.start for s in chosen], x=[s.end - s.start for s in chosen],
                              marker={"color": color, "line": {"width": 0.3, "color": "white"}},
-                             text=[s.name for s in chosen] if len(chosen) <= 200 else None,
+                             text=[s.name for s in chosen] if len(chosen) <= 200 else None, textposition="inside",
                              hovertemplate="%{y} %{text}: %{base:.4g} s + %{x:.4g} s<extra></extra>"
                              if len(chosen) <= 200 else "%{y}: %{base:.4g} s + %{x:.4g} s<extra></extra>"))
+    if plan.prediction is not None:
+        fig.add_vline(x=plan.prediction.pipeline_time_s, line_dash="dash", line_color="black",
+                      annotation_text="predicted pipeline end", annotation_position="top left")
     fig.update_layout(barmode="overlay", title="pipeline schedule (gaps are the bubble)", xaxis_title="seconds",
-                      yaxis={"autorange": "reversed"}, height=180 + 40 * plan.num_stages, bargap=0.2)
+                      yaxis={"autorange": "reversed"}, height=180 + 40 * plan.num_stages, bargap=0.2,
+                      uniformtext={"mode": "hide", "minsize": 8})
     return fig
 
 

@@ -10,12 +10,13 @@ How a parameter is read:
   and transposes) requires of it: the forward use, since the forward comes first in the graph.
   A mesh axis splitting the weight there is a *row* split when that dot sums partial results
   over the axis (its all-reduce or reduce-scatter spans it), else a *column* split;
-* the *data-parallel axes* are the axes splitting the batch inputs (nodes tagged as batch inputs;
-  for graphs without tags, the parameters that are neither updated in place nor differentiated,
-  or in a forward graph of layers, the parameters outside every layer);
-* a weight stored split over a data-parallel axis and gathered for use is ZeRO-3; optimizer state
-  (Adam moments, fp32 master copies) split over one is ZeRO-1, and ZeRO-2 when the weight's
-  gradient is reduce-scattered over it.
+* the *data-parallel axes* split the batch dim (dim 0) of the batch inputs, the *sequence-parallel
+  axes* their other dims (batch inputs: nodes tagged so; for graphs without tags, the parameters
+  that are neither updated in place nor differentiated, or in a forward graph of layers, the
+  parameters outside every layer). Both split the tokens: the *token axes*;
+* a weight stored split over a token axis and gathered for use is ZeRO-3; optimizer state (Adam
+  moments, fp32 master copies) split over one is ZeRO-1, and ZeRO-2 when the weight's gradient
+  is reduce-scattered over it.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class ParameterLayout:
 
 @dataclass(frozen=True, slots=True)
 class StageParallelism:
-    """What a plan does overall: data-parallel axes, tensor-parallel axes, ZeRO level."""
+    """What a plan does overall: data-, sequence- and tensor-parallel axes, ZeRO level."""
 
     data_axes: tuple[int, ...]
+    sequence_axes: tuple[int, ...]
     tensor_axes: tuple[int, ...]
     zero: int  # 0: none, 1: optimizer state sharded, 2: + gradients reduce-scattered, 3: + weights sharded
     batch_option: str  # Alpa's force_batch_dim_to_mesh_dim, read off the batch inputs
@@ -70,6 +72,8 @@ class StageParallelism:
         parts = []
         if self.data_axes:
             parts.append(f"data parallel on {_axes_words(self.data_axes)}")
+        if self.sequence_axes:
+            parts.append(f"sequence parallel on {_axes_words(self.sequence_axes)}")
         if self.tensor_axes:
             parts.append(f"tensor parallel on {_axes_words(self.tensor_axes)}")
         if self.zero:
@@ -91,7 +95,10 @@ class _Reader:
         self.params = [c for c in plan.nodes if c.op == "parameter"]
         self.active_axes = tuple(a for a, size in enumerate(plan.mesh.shape) if size > 1)
         self.inputs = {c.node for c in self.params if self._is_input(c)}
-        self.data_axes = tuple(sorted({a for c in self.params if c.node in self.inputs for a in self.input_axes(c)}))
+        splits = [self.input_split(c) for c in self.params if c.node in self.inputs]
+        self.token_axes = tuple(sorted({a for spec in splits for a in spec.axes()}))
+        self.data_axes = tuple(sorted({a for spec in splits if spec.rank for a in spec.dims[0]}))
+        self.sequence_axes = tuple(a for a in self.token_axes if a not in self.data_axes)
 
     def _is_input(self, chosen: ChosenStrategy) -> bool:
         if "batch_input" in chosen.tags:
@@ -105,12 +112,12 @@ class _Reader:
         return "aliased" not in chosen.tags and f"grad.{chosen.name}" not in self.by_name \
             and optimizer_owner(chosen.name) is None
 
-    def input_axes(self, chosen: ChosenStrategy) -> tuple[int, ...]:
-        """Axes an input is split over: as stored, or (stored whole) as its first contraction slices it."""
-        if chosen.output.axes():
-            return chosen.output.axes()
+    def input_split(self, chosen: ChosenStrategy) -> ShardingSpec:
+        """An input's split: as stored, or (stored whole) as its first contraction slices it."""
         found = self.first_dot(chosen.node)
-        return found[0].operands[found[1]].axes() if found else ()
+        if chosen.output.axes() or found is None:
+            return chosen.output
+        return found[0].operands[found[1]]
 
     def first_dot(self, node: int) -> tuple[ChosenStrategy, int] | None:
         """The first dot `node` reaches through single-operand ops, with the operand position."""
@@ -146,20 +153,20 @@ def stage_parallelism(plan: IntraPlan) -> StageParallelism:
     """The plan's data-parallel and tensor-parallel axes, its ZeRO level and its batch option."""
     reader = _Reader(plan)
     layouts = parameter_layouts(plan)
-    data = set(reader.data_axes)
-    tensor = sorted({a for p in layouts if p.role == "weight" and p.use for a in p.use.axes()} - data)
+    data = set(reader.token_axes)
+    tensor = sorted({a for p in layouts if p.role == "weight" and p.use for a in p.use.axes()})
     zero = 0
     if any(p.role == "optimizer" and set(p.layout.axes()) & data for p in layouts):
         zero = 2 if _gradients_scattered(reader, data) else 1
     if any(p.role == "weight" and (set(p.layout.axes()) - set(p.use.axes() if p.use else ())) & data for p in layouts):
         zero = 3
-    return StageParallelism(tuple(sorted(data)), tuple(tensor), zero, _batch_option(reader))
+    return StageParallelism(reader.data_axes, reader.sequence_axes, tuple(tensor), zero, _batch_option(reader))
 
 
 def _classify(reader: _Reader, chosen: ChosenStrategy) -> ParameterLayout:
-    layout, data = chosen.output, set(reader.data_axes)
+    layout, data = chosen.output, set(reader.token_axes)
     if chosen.node in reader.inputs:
-        axes = reader.input_axes(chosen)
+        axes = reader.input_split(chosen).axes()
         words = "input, replicated" if not axes else f"batch input, split over {_axes_words(axes)}" + (
             "" if layout.axes() else " where used (stored whole)")
         return ParameterLayout(chosen.name, chosen.shape, "input", layout, None, words)
@@ -184,6 +191,9 @@ def _classify(reader: _Reader, chosen: ChosenStrategy) -> ParameterLayout:
     dp = [a for a in reader.data_axes if a not in use.axes()]
     if dp:
         parts.append(f"data parallel on {_axes_words(dp)}")
+    sp = [a for a in reader.sequence_axes if a not in use.axes() and a not in layout.axes()]
+    if sp:
+        parts.append(f"sequence parallel on {_axes_words(sp)}")
     idle = [a for a in reader.active_axes if a not in use.axes() and a not in data and a not in layout.axes()]
     if idle and not parts:
         parts.append("replicated")
@@ -218,9 +228,7 @@ def _gradients_scattered(reader: _Reader, data: set[int]) -> bool:
 
 def _batch_option(reader: _Reader) -> str:
     """Alpa's force_batch_dim_to_mesh_dim: the mesh axis the batch inputs' dim 0 is split over."""
-    axes = sorted({a for c in reader.params if c.node in reader.inputs and c.output.rank
-                   for a in c.output.dims[0]})
-    return "none" if not axes else ",".join(map(str, axes))
+    return "none" if not reader.data_axes else ",".join(map(str, reader.data_axes))
 
 
 def _axes_words(axes: Iterable[int]) -> str:

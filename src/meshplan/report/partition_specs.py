@@ -19,7 +19,8 @@ import re
 from typing import Any
 
 from meshplan.errors import PlanValidationError
-from meshplan.plan import Plan
+from meshplan.intra.plan import IntraPlan
+from meshplan.plan import Plan, Stage
 from meshplan.report.breakdown import stage_plans
 from meshplan.report.layouts import optimizer_owner, parameter_layouts
 from meshplan.sharding.spec import ShardingSpec
@@ -82,7 +83,7 @@ def partition_spec_tree(plan: Plan) -> dict[str, Any]:
     return {"model": plan.model, "stages": stages}
 
 
-def _stage_pieces(stage) -> list[tuple[str, tuple[int, int], Any]]:
+def _stage_pieces(stage: Stage) -> list[tuple[str, tuple[int, int], IntraPlan]]:
     if stage.pieces:
         return [(p.name, (p.first_layer, p.last_layer), p.intra_plan) for p in stage.pieces]
     return [("stage", (stage.first_layer, stage.last_layer), i) for _, _, i in stage_plans(stage)]

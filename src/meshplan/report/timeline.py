@@ -7,6 +7,12 @@ stage's predicted time per micro-batch, split into forward and backward by the s
 forward seconds (a third of the step when the plan does not record them: a backward costs about
 twice its forward). Schedules the runtime cannot execute (interleaved 1F1B) are replayed as 1F1B.
 A stage without a predicted latency uses its intra-op plan's objective (the runtime's cost model).
+
+The replay's pipeline span equals the plan's predicted pipeline time (the stage DP's closed form,
+B * max_s t_s + sum of the other stages) for GPipe and for stages of equal time. Under 1F1B with
+unequal stages the replay can be shorter: a slow early stage runs its warm-up forwards while the
+first micro-batch fills the pipeline, which the closed form does not credit (it is an upper bound
+there; `meshplan.inter.schedules`). The trace shows the replay and names both figures.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ def iteration_spans(plan: Plan) -> tuple[Span, ...]:
         spans.append(Span(e.stage, f"{e.phase.value}{e.micro_batch}", category, e.micro_batch, timed.start,
                           timed.end))
     end = max(s.end for s in spans)
+    if plan.prediction is not None:  # gradient sync starts once the pipeline drains, as the prediction has it
+        end = max(end, plan.prediction.pipeline_time_s)
     for k, stage in enumerate(plan.stages):
         if stage.sync_s > 0:
             spans.append(Span(k, "gradient sync", "gradient sync", None, end, end + stage.sync_s))
@@ -82,7 +90,14 @@ def chrome_trace(plan: Plan) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"model": plan.model, "schedule": plan.schedule,
                           "num_microbatches": plan.num_microbatches,
-                          "pipeline_time_s": plan.prediction.pipeline_time_s if plan.prediction else None}}
+                          "pipeline_time_s": plan.prediction.pipeline_time_s if plan.prediction else None,
+                          "replayed_pipeline_time_s": replayed_pipeline_time(plan)}}
+
+
+def replayed_pipeline_time(plan: Plan) -> float:
+    """The span of every forward and backward step in the replay (module docstring)."""
+    steps = [s for s in iteration_spans(plan) if s.category in ("forward", "backward")]
+    return max(s.end for s in steps) - min(s.start for s in steps)
 
 
 def chrome_trace_text(plan: Plan) -> str:

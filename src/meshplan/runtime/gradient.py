@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
@@ -27,10 +26,12 @@ from meshplan.runtime.replay import subjaxprs
 
 gradient_p = Primitive("meshplan_gradient")
 gradient_p.multiple_results = True
+_value_and_grad = jax.value_and_grad  # JAX's own, also while a trace has it replaced
 
 
 def _value_and_grad_of(*operands: Any, loss: ClosedJaxpr, differentiated: tuple[bool, ...]) -> list[Any]:
-    """[loss value, *grads of the differentiated operands] of `loss` at `operands`."""
+    """[loss value, *aux values, *grads of the differentiated operands] of `loss` at `operands`
+    (the loss jaxpr's first result is the loss, the others are aux values)."""
     fixed = list(operands)
     wrt = [i for i, d in enumerate(differentiated) if d]
 
@@ -38,14 +39,16 @@ def _value_and_grad_of(*operands: Any, loss: ClosedJaxpr, differentiated: tuple[
         args = list(fixed)
         for i, v in zip(wrt, values, strict=True):
             args[i] = v
-        return jaxpr_as_fun(loss)(*args)[0]
+        out = jaxpr_as_fun(loss)(*args)
+        return out[0], out[1:]
 
-    value, grads = jax.value_and_grad(of_differentiated, argnums=tuple(range(len(wrt))))(*(fixed[i] for i in wrt))
-    return [value, *grads]
+    (value, aux), grads = _value_and_grad(of_differentiated, argnums=tuple(range(len(wrt))),
+                                             has_aux=True)(*(fixed[i] for i in wrt))
+    return [value, *aux, *grads]
 
 
 def _abstract(*avals: Any, loss: ClosedJaxpr, differentiated: tuple[bool, ...]) -> list[Any]:
-    return [loss.out_avals[0], *(a for a, d in zip(avals, differentiated, strict=True) if d)]
+    return [*loss.out_avals, *(a for a, d in zip(avals, differentiated, strict=True) if d)]
 
 
 gradient_p.def_impl(_value_and_grad_of)
@@ -59,13 +62,19 @@ class GradientCall:
 
     Attributes:
         index: its position among the step jaxpr's top-level equations.
-        loss: the loss as a closed jaxpr of all operands (closed-over values first).
+        loss: the loss as a closed jaxpr of all operands (closed-over values first); its first
+            result is the loss, the others the flat aux values (`has_aux=True`).
         differentiated: per operand, whether the gradient is taken with respect to it.
     """
 
     index: int
     loss: ClosedJaxpr
     differentiated: tuple[bool, ...]
+
+    @property
+    def num_aux(self) -> int:
+        """How many flat aux values the loss returns besides the loss."""
+        return len(self.loss.out_avals) - 1
 
 
 def is_gradient(primitive: Any) -> bool:
@@ -112,7 +121,7 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
 
     def transform(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
                   **options: Any) -> Callable[..., Any]:
-        if has_aux or any(options.values()):  # holomorphic, allow_int, ...: JAX's own gradient
+        if any(options.values()):  # holomorphic, allow_int, ...: JAX's own gradient
             return original(fun, argnums, has_aux=has_aux, **options)
 
         def marked(*args: Any, **kwargs: Any) -> Any:
@@ -120,34 +129,47 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
                 raise OptionsError(f"{getattr(fun, '__name__', 'the loss')} was differentiated with keyword "
                                    f"arguments {sorted(kwargs)}; pass them positionally (jax.grad differentiates "
                                    f"positional arguments only)")
-            return _bind(fun, args, argnums, with_value, original)
+            return _bind(fun, args, argnums, has_aux, with_value, original)
 
         return marked
 
     return transform
 
 
-def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequence[int], with_value: bool,
-          original: Callable[..., Any]) -> Any:
+def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequence[int], has_aux: bool,
+          with_value: bool, original: Callable[..., Any]) -> Any:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    jax_own = lambda: original(fun, argnums, has_aux=has_aux)(*args)  # for JAX's own error messages
     if any(not 0 <= n < len(args) for n in nums):
-        return original(fun, argnums)(*args)  # JAX's own error message
+        return jax_own()
     leaves, tree = jax.tree_util.tree_flatten(args)
-    closed = jax.make_jaxpr(lambda *flat: fun(*jax.tree_util.tree_unflatten(tree, flat)))(*leaves)
-    out = closed.out_avals
-    if len(out) != 1 or out[0].shape != () or not np.issubdtype(out[0].dtype, np.floating):
-        return original(fun, argnums)(*args)  # not a scalar float loss: JAX's own error message
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return jax_own()  # on constants, computed while tracing: not the step's gradient
+    closed, shape = jax.make_jaxpr(lambda *flat: fun(*jax.tree_util.tree_unflatten(tree, flat)),
+                                   return_shape=True)(*leaves)
+    if has_aux and not (isinstance(shape, (tuple, list)) and len(shape) == 2):
+        return jax_own()
+    loss_shape, aux_tree = (shape[0], jax.tree_util.tree_structure(shape[1])) if has_aux else (shape, None)
+    if (not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ()
+            or not jax.numpy.issubdtype(loss_shape.dtype, jax.numpy.floating)):
+        return jax_own()  # not a scalar float loss
     owners = [n for n, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
     consts = list(closed.consts)
     loss = ClosedJaxpr(_consts_as_inputs(closed.jaxpr), ())
     differentiated = (False,) * len(consts) + tuple(n in nums for n in owners)
-    value, *grads = gradient_p.bind(*consts, *leaves, loss=loss, differentiated=differentiated)
+    value, *rest = gradient_p.bind(*consts, *leaves, loss=loss, differentiated=differentiated)
+    num_aux = len(closed.out_avals) - 1
+    aux, grads = rest[:num_aux], rest[num_aux:]
+    if has_aux:
+        value = (value, jax.tree_util.tree_unflatten(aux_tree, aux))
     per_arg: list[list[Any]] = [[] for _ in args]
     for n, g in zip((n for n in owners if n in nums), grads, strict=True):
         per_arg[n].append(g)
     trees = [jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args[n]), per_arg[n]) for n in nums]
     grad = trees[0] if isinstance(argnums, int) else tuple(trees)
-    return (value, grad) if with_value else grad
+    if with_value:
+        return value, grad
+    return (grad, value[1]) if has_aux else grad
 
 
 def _consts_as_inputs(jaxpr: Any) -> Any:

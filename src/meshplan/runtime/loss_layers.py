@@ -31,12 +31,14 @@ class LossLayers:
     """The loss cut into layers.
 
     Attributes:
-        fns: `fns[k](weights, act)` -> the next layer's act (a tuple), or the loss for the last;
-            the last also takes an (empty) targets argument, as pipeline stages do.
+        fns: `fns[k](weights, act)` -> the next layer's act (a tuple), or for the last the loss
+            (with aux values: `(loss, aux_tuple)`); the last also takes an (empty) targets
+            argument, as pipeline stages do.
         weights: per layer, the loss input positions of the weights it reads, in input order.
         starts: per layer, the index of its first top-level equation.
         flops: per layer, its estimated FLOPs.
         marked: whether the cuts came from `mark_pipeline_boundary` calls.
+        num_aux: how many aux values the loss returns besides the loss (`has_aux=True`).
     """
 
     fns: tuple[Callable[..., Any], ...]
@@ -44,6 +46,8 @@ class LossLayers:
     starts: tuple[int, ...]
     flops: tuple[float, ...]
     marked: bool
+
+    num_aux: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -60,7 +64,7 @@ def split_loss(loss: ClosedJaxpr, weights: Sequence[int], num_layers: int | None
     """Cut `loss` into layers: at its marks when `num_layers` is None, else into `num_layers` by FLOPs.
 
     Args:
-        loss: the loss, a closed jaxpr of flat inputs returning one scalar.
+        loss: the loss, a closed jaxpr of flat inputs returning the scalar loss (then any aux values).
         weights: positions of the inputs that are weights (differentiated).
         num_layers: how many layers to cluster into; None: one more than the marks.
 
@@ -87,7 +91,7 @@ def split_loss(loss: ClosedJaxpr, weights: Sequence[int], num_layers: int | None
         fns.append(_layer_fn(consts, [jaxpr.invars[i] for i in read_weights], acts[k], eqns, outs,
                              k == len(starts) - 1))
     per_layer = tuple(float(sum(flops[a:b])) for a, b in zip(starts, ends, strict=True))
-    return LossLayers(tuple(fns), tuple(reads), tuple(starts), per_layer, num_layers is None)
+    return LossLayers(tuple(fns), tuple(reads), tuple(starts), per_layer, num_layers is None, len(jaxpr.outvars) - 1)
 
 
 def _activations(jaxpr: Any, starts: Sequence[int], weights: set[Any]) -> list[list[Any]]:
@@ -141,7 +145,9 @@ def _layer_fn(consts: dict[Any, Any], weight_vars: list[Any], act_vars: list[Any
         env = {**consts, **dict(zip(weight_vars, weights, strict=True)), **dict(zip(act_vars, act, strict=True))}
         env = replay(eqns, env)
         outs = tuple(read(env, v) for v in out_vars)
-        return outs[0] if last else outs
+        if not last:
+            return outs
+        return outs[0] if len(outs) == 1 else (outs[0], outs[1:])  # the loss, and its aux values if any
 
     return layer
 

@@ -35,12 +35,15 @@ class Pipeline:
     `layouts[k]` says where stage k keeps its values and gives the function actually run (a
     planned layout's carries sharding constraints); by default every stage is replicated on its
     sub-mesh, or with `data_parallel=True` splits activations, targets and cotangents along dim 0.
+    With `last_has_aux=True` the last stage returns `(loss, aux)`: aux values are kept per
+    micro-batch and not differentiated.
     """
 
     stage_fns: tuple[StageFn, ...]
     stage_meshes: tuple[Mesh, ...]
     data_parallel: bool = False
     layouts: tuple[StageLayout, ...] | None = None
+    last_has_aux: bool = False
     _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
     _backwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
@@ -58,8 +61,8 @@ class Pipeline:
             raise OptionsError(f"Pipeline got {len(self.layouts)} layouts for {len(self.stage_fns)} stages; "
                                f"give one StageLayout per stage")
         object.__setattr__(self, "layouts", tuple(self.layouts))
-        forwards, backwards = zip(*(_jit_stage(layout, k == last) for k, layout in enumerate(self.layouts)),
-                                  strict=True)
+        forwards, backwards = zip(*(_jit_stage(layout, k == last, self.last_has_aux and k == last)
+                                    for k, layout in enumerate(self.layouts)), strict=True)
         object.__setattr__(self, "_forwards", forwards)
         object.__setattr__(self, "_backwards", backwards)
 
@@ -111,6 +114,7 @@ class PipelineResult(NamedTuple):
     loss: jax.Array
     grads: list[Any]
     events: tuple[Event, ...]
+    aux: tuple[Any, ...] = ()  # per micro-batch, the last stage's aux values (Pipeline.last_has_aux)
 
 
 def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
@@ -126,7 +130,7 @@ def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
             seen[device] = k
 
 
-def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
+def _jit_stage(layout: StageLayout, is_last: bool, has_aux: bool = False) -> tuple[Any, Any]:
     """The stage's jitted forward (saving its vjp) and backward, pinned to its layout.
 
     Residuals in the vjp function keep whatever sharding XLA picks (`None`); the backward's
@@ -134,7 +138,7 @@ def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
     """
     fn = layout.fn
     if is_last:
-        forward = jax.jit(lambda p, x, t: _vjp(lambda p_, x_: fn(p_, x_, t), p, x),
+        forward = jax.jit(lambda p, x, t: _vjp(lambda p_, x_: fn(p_, x_, t), p, x, has_aux),
                           in_shardings=(layout.params, layout.inputs, layout.targets),
                           out_shardings=(layout.outputs, None))
     else:
@@ -145,22 +149,26 @@ def _jit_stage(layout: StageLayout, is_last: bool) -> tuple[Any, Any]:
     return forward, backward
 
 
-def _vjp(fn: Callable[..., Any], params: Any, x: Any) -> tuple[Any, Any]:
+def _vjp(fn: Callable[..., Any], params: Any, x: Any, has_aux: bool = False) -> tuple[Any, Any]:
     """`jax.vjp(fn, params, x)` over the floating-point leaves of `x` and of the output only.
 
     Integer and boolean values (token ids, masks) ride along between stages but have no
-    cotangent: they are None in the cotangents the backward takes and returns.
+    cotangent: they are None in the cotangents the backward takes and returns. With `has_aux`,
+    `fn` returns `(y, aux)` and the result is `((y, aux), vjp_fn)`.
     """
     x_float, x_rest = _split_float(x)
     y_structure: list[Any] = []
 
     def differentiable(p: Any, xf: Any) -> tuple[Any, Any]:
-        y_float, (structure, leaves) = _split_float(fn(p, _join(xf, x_rest)))
+        out = fn(p, _join(xf, x_rest))
+        y, aux = out if has_aux else (out, None)
+        y_float, (structure, leaves) = _split_float(y)
         y_structure.append(structure)
-        return y_float, [None if _is_float(a) else a for a in leaves]
+        return y_float, ([None if _is_float(a) else a for a in leaves], aux)
 
-    y_float, vjp_fn, y_rest = jax.vjp(differentiable, params, x_float, has_aux=True)
-    return _join(y_float, (y_structure[0], y_rest)), vjp_fn
+    y_float, vjp_fn, (y_rest, aux) = jax.vjp(differentiable, params, x_float, has_aux=True)
+    y = _join(y_float, (y_structure[0], y_rest))
+    return ((y, aux) if has_aux else y), vjp_fn
 
 
 def _split_float(tree: Any) -> tuple[Any, tuple[Any, list[Any]]]:
@@ -220,6 +228,7 @@ class _Run:
     vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
     cotangents: dict[tuple[int, int], Any] = field(default_factory=dict)
     losses: list[Any] = field(default_factory=list)
+    auxes: list[Any] = field(default_factory=list)
     grads: dict[int, Any] = field(default_factory=dict)
 
     def forward(self, s: int, m: int) -> None:
@@ -232,7 +241,10 @@ class _Run:
             pipeline.check_batch_split(s, self.targets[m], "targets")
         extra = (jax.device_put(self.targets[m], pipeline.targets_sharding()),) if last else ()
         y, self.vjps[(s, m)] = self.pipeline._forwards[s](self.params[s], x, *extra)
-        if last:
+        if last and pipeline.last_has_aux:
+            self.losses.append(y[0])
+            self.auxes.append(y[1])
+        elif last:
             self.losses.append(y)
         else:
             self.outputs[(s, m)] = y
@@ -292,7 +304,7 @@ def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], input
         step(event.stage, event.micro_batch)
         executed.append(event)
     loss = _mean(run.losses)
-    return PipelineResult(loss, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed))
+    return PipelineResult(loss, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
 
 
 @jax.jit

@@ -136,7 +136,7 @@ def check_layout(job: TrainingJob, cluster: Cluster, layout: Layout) -> str:
                 f"{cluster.num_devices}")
     if layout.pp * layout.vp > model.layers:
         return f"layout {layout.text()}: pp x vp = {layout.pp * layout.vp} exceeds the model's {model.layers} layers"
-    if model.heads % layout.tp or model.num_kv_heads % math.gcd(model.num_kv_heads, layout.tp):
+    if model.heads % layout.tp:  # key/value heads fewer than tp are replicated, as Megatron does
         return f"layout {layout.text()}: tp={layout.tp} does not divide the {model.heads} attention heads"
     if job.seq_len % (2 * layout.cp) and layout.cp > 1:
         return f"layout {layout.text()}: cp={layout.cp} needs a sequence length divisible by {2 * layout.cp}"
