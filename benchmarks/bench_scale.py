@@ -7,17 +7,20 @@ Cases (the issue's targets in brackets, on 2 cores):
 - llama3.1-405b on 288x8 H100-80GB, global batch 2304 x 8192 (<= 60 s);
 - llama3.1-8b on 16x8 and llama3.1-70b on 64x8 H100-80GB, for the table in docs/scale.md.
 
-Each case records wall seconds, CPU seconds of this process and its workers, the load average
+Each case records wall seconds, CPU seconds of this process and of its pool workers, an
+estimate of the wall time on two idle cores (the main process's CPU seconds, with the layout
+search's shared with the workers': see _idle_estimate), the load average
 (other programs share the cores), planner seconds per phase, pricing tasks run and the
 prediction. With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
 a local Ray, and the JSON plans compared (planner seconds left out). Writes
 benchmarks/results/scale.json.
-Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME]
+Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -28,8 +31,9 @@ from meshplan.cluster import Cluster, get_device
 from meshplan.distributed import TaskRunner, make_executor
 from meshplan.models.transformer import PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
+from meshplan.simulator.analytic import search_layouts
 
-from common import save
+from common import RESULTS, save
 
 CASES = (
     ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 10.0),
@@ -44,41 +48,65 @@ def main() -> None:
     warnings.simplefilter("ignore")
     parser = argparse.ArgumentParser()
     parser.add_argument("--executors", action="store_true", help="compare in-process, pool and Ray plans")
-    parser.add_argument("--only", default="", help="run only the case whose model has this name")
+    parser.add_argument("--only", default="", help="run only the case whose model has this name ('none': no case)")
+    parser.add_argument("--keep", action="store_true", help="keep the cases of scale.json not run this time")
     args = parser.parse_args()
     cases = [_case(*c) for c in CASES if not args.only or c[0] == args.only]
     if args.executors:
         cases.append(_executors())
+    if args.keep and (RESULTS / "scale.json").exists():
+        ran = {c["name"] for c in cases}
+        kept = [c for c in json.loads((RESULTS / "scale.json").read_text())["cases"] if c["name"] not in ran]
+        cases = kept + cases
     print("wrote", save("scale", cases))
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds of this process and of its finished children (the pool's workers)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system, t.children_user + t.children_system
 
 
 def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int, seq_len: int,
           target: float | None, executor: str = "pool") -> dict:
     job = TrainingJob(PRESETS[model], global_batch, seq_len)
     cluster = Cluster(nodes, per_node, get_device(device))
+    # The closed-form layout search runs in a thread of the main process while the workers
+    # price; its CPU seconds, measured alone here, are what overlaps.
+    search_start = time.process_time()
+    search_layouts(job, cluster)
+    search_cpu = time.process_time() - search_start
     load_before = os.getloadavg()[0]
-    cpu, start = _cpu_seconds(), time.perf_counter()
+    (main, workers), start = _cpu_seconds(), time.perf_counter()
     with TaskRunner(make_executor(executor, workers=2)) as runner:
         sim = simulate(job, cluster, PlannerOptions(workers=2), runner=runner)
         tasks = runner.attempts
-    wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    wall = time.perf_counter() - start
+    main, workers = _cpu_seconds()[0] - main, _cpu_seconds()[1] - workers
+    cpu = main + workers
     p = sim.plan.prediction
     case = {"name": f"{model} {nodes}x{per_node} {device}", "model": model, "cluster": [nodes, per_node],
             "device": device, "global_batch": global_batch, "seq_len": seq_len, "executor": executor,
-            "planner_wall_s": wall, "planner_cpu_s": cpu, "target_s": target,
+            "planner_wall_s": wall, "planner_cpu_s": cpu, "planner_cpu_main_s": main, "planner_cpu_workers_s": workers,
+            # Wall time on 2 idle cores if the workers' CPU seconds and the layout search (which
+            # runs alongside them) split evenly over both and the rest of the main process ran
+            # alone (a model, not a measurement: the cores were shared).
+            "layout_search_cpu_s": search_cpu,
+            "idle_two_core_estimate_s": _idle_estimate(main, workers, search_cpu), "target_s": target,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "pricing_tasks": tasks, "phases_s": sim.phases, "iteration_time_s": p.iteration_time_s,
             "mfu": p.mfu, "stages": len(sim.plan.stages), "microbatch_size": sim.plan.microbatch_size,
             "notes": list(sim.plan.notes)}
-    print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {load_before:.1f}, {tasks} tasks, "
+    print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU ({main:.1f} main + {workers:.1f} workers; "
+          f"{_idle_estimate(main, workers, search_cpu):.1f} s on 2 idle cores), load {load_before:.1f}, {tasks} tasks, "
           f"phases {({k: round(v, 2) for k, v in sim.phases.items()})}, iteration {p.iteration_time_s:.3f} s",
           flush=True)
     return case
+
+
+def _idle_estimate(main: float, workers: float, overlapped: float) -> float:
+    overlapped = min(overlapped, main)
+    return main - overlapped + max(overlapped, (workers + overlapped) / 2)
 
 
 def _plan_json(runner: TaskRunner) -> tuple[dict, float]:
@@ -86,8 +114,16 @@ def _plan_json(runner: TaskRunner) -> tuple[dict, float]:
     start = time.perf_counter()
     data = simulate(job, Cluster(50, 4, get_device("v100-32gb")), PlannerOptions(workers=2),
                     runner=runner).to_dict()
-    data.pop("metrics")  # planner seconds differ from run to run
-    return data, time.perf_counter() - start
+    return _without_timings(data), time.perf_counter() - start
+
+
+def _without_timings(data):
+    """The plan without the seconds its making took (planner phases, solver and build times)."""
+    if isinstance(data, dict):
+        return {k: _without_timings(v) for k, v in data.items() if k not in ("metrics", "wall_s", "build_s")}
+    if isinstance(data, list):
+        return [_without_timings(v) for v in data]
+    return data
 
 
 def _executors() -> dict:

@@ -73,3 +73,13 @@ def test_search_refuses_a_cache_from_another_mesh(analysis, tmp_path):
         load_profiles(other, ProfileCache(tmp_path), analytic=True)
     with pytest.raises(PlanValidationError, match="has no profiles"):
         load_profiles(analysis, ProfileCache(tmp_path / "empty"), analytic=True)
+
+
+def test_segments_profiled_on_a_process_pool_equal_those_profiled_here(analysis):
+    from meshplan.distributed import PoolExecutor, TaskRunner
+
+    settings = ProfileSettings(analytic=True)
+    here = profile(analysis, settings)
+    with TaskRunner(PoolExecutor(2)) as runner:
+        pooled = profile(analysis, settings, runner=runner)
+    assert pooled == here and len(here.segments) >= 1

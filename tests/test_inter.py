@@ -35,12 +35,13 @@ def random_costs(rng: np.random.Generator, cluster: Cluster, num_layers: int, in
     return LayerCosts(tuple(views), tuple(rng.uniform(1e5, 1e7, size=num_layers - 1)))
 
 
-def best_stage(costs: LayerCosts, cluster: Cluster, shape, first, last, stages_left, b, capacity, recompute):
+def best_stage(costs: LayerCosts, cluster: Cluster, shape, first, last, stages_left, b, capacity, recompute,
+               chunks=1):
     """The fastest fitting choice for one stage, written out plainly from the memory rule."""
     best = math.inf
     for view in costs.views_of(shape):
         handoff = 0.0 if last == costs.num_layers - 1 else \
-            2 * (DEVICE.inter_latency + costs.handoff_bytes[last] / view.devices / DEVICE.inter_bandwidth)
+            2 * chunks * (DEVICE.inter_latency + costs.handoff_bytes[last] / view.devices / DEVICE.inter_bandwidth)
         for menu in range(view.menu_size):
             entries = [view.entry(k, menu) for k in range(first, last + 1)]
             every = [e for k in range(costs.num_layers) if math.isfinite((e := view.entry(k, menu)).time)]
@@ -62,7 +63,7 @@ def best_stage(costs: LayerCosts, cluster: Cluster, shape, first, last, stages_l
     return best
 
 
-def brute_force(costs: LayerCosts, cluster: Cluster, b: int, capacity: float, recompute) -> float:
+def brute_force(costs: LayerCosts, cluster: Cluster, b: int, capacity: float, recompute, chunks=1) -> float:
     shapes = cluster.submesh_shapes()
     n = costs.num_layers
     best = math.inf
@@ -72,10 +73,11 @@ def brute_force(costs: LayerCosts, cluster: Cluster, b: int, capacity: float, re
         for assignment in itertools.product(shapes, repeat=len(ranges)):
             if sum(s[0] * s[1] for s in assignment) != cluster.num_devices:
                 continue
-            latencies = [best_stage(costs, cluster, shape, first, last, len(ranges) - j, b, capacity, recompute)
+            latencies = [best_stage(costs, cluster, shape, first, last, len(ranges) - j, b, capacity, recompute,
+                                    chunks)
                          for j, ((first, last), shape) in enumerate(zip(ranges, assignment, strict=True))]
             if all(math.isfinite(t) for t in latencies):
-                best = min(best, get_schedule("1f1b").latency(latencies, b))
+                best = min(best, get_schedule("interleaved-1f1b").latency(latencies, b, chunks))
     return best
 
 
@@ -100,6 +102,52 @@ def test_plan_pipeline_equals_exhaustive_search(seed, layers, b, capacity_mb, in
     for s in plan.stages:  # placed as sub-meshes of the cluster: whole nodes or part of one node
         nodes = {i // cluster.devices_per_node for i in s.devices}
         assert len(nodes) == s.submesh[0] and len(s.devices) == s.submesh[0] * s.submesh[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), layers=st.integers(1, 4), b=st.integers(1, 6),
+       capacity_mb=st.sampled_from([60, 1e6]), cluster=st.sampled_from([(1, 4), (2, 2)]))
+def test_interleaved_choice_equals_exhaustive_search(seed, layers, b, capacity_mb, cluster):
+    """With chunks (1, 2, 3) the plan is the best of 1F1B and its interleaved variants, each
+    found by exhaustive search with v hand-offs per stage and the fill and drain over v."""
+    cluster = Cluster(*cluster, DEVICE)
+    costs = random_costs(np.random.default_rng(seed), cluster, layers, 0.0)
+    plan = plan_pipeline(costs, cluster, b, InterOptions(capacity_bytes=capacity_mb * 1e6, chunks=(1, 2, 3)))
+    want = {v: brute_force(costs, cluster, b, capacity_mb * 1e6, ("none", "full"), v) for v in (1, 2, 3)}
+    if plan is None:
+        assert all(math.isinf(w) for w in want.values())
+        return
+    assert plan.pipeline_time == pytest.approx(min(want.values()), rel=1e-12)
+    assert plan.pipeline_time == pytest.approx(want[plan.chunks], rel=1e-12)
+    assert plan.schedule == ("1f1b" if plan.chunks == 1 else "interleaved-1f1b")
+
+
+def test_interleaving_pays_off_with_few_micro_batches_and_cheap_sends():
+    """Two equal stages, B = 2: 1F1B takes 2 t + t = 3 t; with 2 chunks 2 t + t / 2 = 2.5 t."""
+    cluster = Cluster(2, 1, DEVICE)
+    layer = LayerCost(1.0, 0.3, 0, 0, 0.0, 0.0, 0.0, 0.0, 1e9)
+    costs = LayerCosts((ViewCosts((1, 1), (1, 1), ((layer,), (layer,))),), (0.0,))
+    plain = plan_pipeline(costs, cluster, 2)
+    both = plan_pipeline(costs, cluster, 2, InterOptions(chunks=(1, 2)))
+    send = 2 * DEVICE.inter_latency
+    assert plain.chunks == 1 and plain.pipeline_time == pytest.approx(3 * 1.0 + 2 * send)
+    assert both.chunks == 2 and both.pipeline_time == pytest.approx(2 * (1 + 2 * send) + 1 / 2)
+
+
+def test_consecutive_stages_in_one_node_hand_off_on_its_link():
+    """Two one-device stages on a 1x2 cluster share the node: with node_local_sends the first
+    stage's hand-off is priced on the intra-node link."""
+    cluster = Cluster(1, 2, DEVICE)
+    layer = LayerCost(1.0, 0.3, 0, 0, 0.0, 0.0, 0.0, 0.0, 1e9)
+    costs = LayerCosts((ViewCosts((1, 1), (1, 1), ((layer,), (layer,))),), (4e6,))
+    inter = plan_pipeline(costs, cluster, 8)
+    local = plan_pipeline(costs, cluster, 8, InterOptions(node_local_sends=True))
+    assert [s.devices for s in local.stages] == [(0,), (1,)]
+    over_network = 2 * (DEVICE.inter_latency + 4e6 * DEVICE.inter_beta)
+    in_node = 2 * (DEVICE.intra_latency + 4e6 * DEVICE.intra_beta)
+    assert inter.stages[0].latency == pytest.approx(1.0 + over_network)
+    assert local.stages[0].latency == pytest.approx(1.0 + in_node)
+    assert local.stages[1].latency == inter.stages[1].latency == 1.0
 
 
 def test_an_infeasible_layer_does_not_block_ranges_without_it():

@@ -56,7 +56,8 @@ def test_prediction_is_consistent(small_simulation):
     assert [s.first_layer for s in plan.stages[1:]] == [s.last_layer + 1 for s in plan.stages[:-1]]
     p = plan.prediction
     latencies = [s.latency_s for s in plan.stages]
-    pipeline = sum(latencies) + (plan.num_microbatches - 1) * max(latencies)
+    pipeline = plan.num_microbatches * max(latencies) + (sum(latencies) - max(latencies)) / plan.chunks
+    assert plan.schedule == ("1f1b" if plan.chunks == 1 else "interleaved-1f1b")
     assert p.pipeline_time_s == pytest.approx(pipeline)
     assert p.iteration_time_s == pytest.approx(pipeline + p.sync_time_s)
     assert p.tokens_per_s == pytest.approx(16 * 256 / p.iteration_time_s)

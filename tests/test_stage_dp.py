@@ -87,6 +87,12 @@ def test_placement_tiles_alpa_submeshes():
     assert origins == [(3, 0), (0, 0), (3, 2), (2, 0), (3, 3)]
     # Three 4-device pieces cannot tile two nodes of 6 devices.
     assert place_submeshes([(1, 4), (1, 4), (1, 4)], nodes=2, per_node=6) is None
+    # Keeping neighbours: pipeline order first (consecutive stages share a node) ...
+    assert place_submeshes([(1, 1), (1, 1), (1, 2)], 1, 4, keep_neighbours=True) == [(0, 0), (0, 1), (0, 2)]
+    assert place_submeshes([(1, 1), (1, 1), (1, 2)], 1, 4) == [(0, 2), (0, 3), (0, 0)]
+    # ... and largest first when pipeline order does not tile: 2 + 1 leaves a hole a 2 cannot use.
+    assert place_submeshes([(1, 2), (1, 1), (1, 2), (1, 1), (1, 2)], 2, 4, keep_neighbours=True) == \
+        place_submeshes([(1, 2), (1, 1), (1, 2), (1, 1), (1, 2)], 2, 4)
 
 
 def test_interleaved_schedule_shrinks_fill_and_drain():

@@ -143,6 +143,8 @@ def simulate(
     global_batch: Annotated[int, typer.Option(help="Sequences per iteration.")] = 1000,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
+    chunks: Annotated[str, typer.Option(help="Model chunks per device to plan for: 1 is 1F1B, more is "
+                                             "interleaved 1F1B.")] = "1,2,4",
     efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s non-GEMM kernels sustain.")] = 0.5,
     gemm_curve: Annotated[bool, typer.Option(help="Price GEMMs from their (m, n, k), not at --efficiency.")] = True,
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
@@ -181,8 +183,8 @@ def simulate(
     nodes, per_node = parse_cluster(cluster)
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
-                             microbatch_sizes=_ints(microbatch_sizes),
-                             reduce_scatter=reduce_scatter)
+                             microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
+                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     if layout:
         from meshplan.report.simulation_text import print_layout
@@ -361,6 +363,8 @@ def cfp(
     heads: Annotated[int, typer.Option(help="Override the attention heads.")] = 0,
     ffn: Annotated[int, typer.Option(help="Override the MLP width.")] = 0,
     experts: Annotated[int, typer.Option(help="Override the MoE experts.")] = 0,
+    executor: Annotated[str, typer.Option(help="Where segments are profiled: inprocess, pool or ray.")] = "inprocess",
+    ray_address: Annotated[str, typer.Option(help="With --executor ray: local, auto or ray://HOST:PORT.")] = "local",
 ) -> None:
     """CFP: group operators into ParallelBlocks, profile each unique segment's strategy
     combinations, and search one strategy per block (see docs/cfp.md)."""
@@ -371,20 +375,20 @@ def cfp(
                      mesh=parse_mesh_shape(mesh), mode=mode.lower(), analytic=analytic, out=out, cache=cache, runs=runs,
                      warmup=warmup, memory=budget, max_combinations=max_combinations, statistic=statistic,
                      reduced=not full_size, dtype=dtype, cluster_file=cluster_file, hidden=hidden, heads=heads, ffn=ffn,
-                     experts=experts)
+                     experts=experts, executor=executor, ray_address=ray_address)
     console = Console(highlight=False)
     with _progress(enabled=True) as progress:
         written = run_cfp(request, lambda line: console.print(line, markup=False, soft_wrap=True), progress)
     console.print("wrote " + ", ".join(written.values()), markup=False, soft_wrap=True)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str, option: str = "--microbatch-sizes", example: str = "4,8,16") -> tuple[int, ...]:
     if not text.strip():
         return ()
     try:
         return tuple(int(p) for p in text.split(","))
     except ValueError:
-        raise MeshplanError(f"--microbatch-sizes {text!r} is not a list of integers; write e.g. 4,8,16") from None
+        raise MeshplanError(f"{option} {text!r} is not a list of integers; write e.g. {example}") from None
 
 
 class _progress:

@@ -22,7 +22,8 @@ from meshplan.cfp.price import Price, price
 from meshplan.cfp.segments import structural_hash
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
-from meshplan.errors import OptionsError
+from meshplan.distributed import Task, TaskRunner, run_tasks
+from meshplan.errors import MeshplanError, OptionsError
 from meshplan.ir.graph import Graph
 from meshplan.sharding.strategy import Strategy
 
@@ -208,37 +209,58 @@ def _measured(combo: Combination, predicted: Price, m: Measurement) -> Combinati
 
 
 def profile(analysis: Analysis, settings: ProfileSettings | None = None, cache: ProfileCache | None = None,
-            progress: Progress | None = None) -> Profiles:
+            progress: Progress | None = None, runner: TaskRunner | None = None) -> Profiles:
     """Profile every unique segment of `analysis` (see the module docstring).
 
     Args:
         analysis: from `analyze`.
         settings: measured or analytic, runs, warm-up, memory limit.
         cache: where profiles are kept between runs; segments found there are not re-run.
-        progress: called with (label, combinations done, total) as work proceeds.
+        progress: called with (label, combinations done, total) as work proceeds; with a
+            runner, (label, segments done, segments to profile).
+        runner: runs the segment tasks (meshplan.distributed: a process pool or Ray, each worker
+            measuring on the devices it sees); None: one after the other in this process.
 
     Raises:
         PlanValidationError: a cache file is unreadable or of another schema.
         MeshError: a measured profile needs more devices than JAX sees.
+        MeshplanError: with a runner, a segment task failed every attempt.
     """
     settings = settings or ProfileSettings()
     device = ANALYTIC if settings.analytic else _device_kind()
-    found, cached = [], []
+    found: list[SegmentProfile | None] = []
+    cached, todo = [], []
     for task in segment_tasks(analysis, settings):
         hit = cache.load(task.structure, task.key, task.mesh.shape, device, settings.mode) if cache else None
         if hit is None:
-            hit = run_task(task, progress)
-            if cache:
-                cache.store(hit)
+            todo.append((len(found), task))
         else:
             cached.append(task.segment)
             if progress:
                 progress(f"segment {task.segment} (cached)", len(task.combinations), len(task.combinations))
         found.append(hit)
+    for index, hit in _run_segments([t for _, t in todo], runner, progress):
+        found[todo[index][0]] = hit
+        if cache:
+            cache.store(hit)
     if cache:
         cache.record_run(structural_hash(analysis.graph), analysis.graph.name, analysis.mesh.shape, device,
                          settings.mode)
-    return Profiles(tuple(found), tuple(cached), settings.mode)
+    return Profiles(tuple(p for p in found if p is not None), tuple(cached), settings.mode)
+
+
+def _run_segments(tasks: list[SegmentTask], runner: TaskRunner | None, progress: Progress | None):
+    """(index, profile) of each task: here one after the other, or through the runner."""
+    if runner is None:
+        for index, task in enumerate(tasks):
+            yield index, run_task(task, progress)
+        return
+    work = [Task(f"segment {t.segment}", "", t) for t in tasks]
+    for index, outcome in enumerate(run_tasks(run_task, work, runner, progress, "profiling segments")):
+        if not outcome.ok:
+            raise MeshplanError(f"profiling {outcome.name} failed {outcome.attempts} time(s): {outcome.error}; "
+                                "run `meshplan cfp` again (finished segments are cached)")
+        yield index, outcome.value
 
 
 def load_profiles(analysis: Analysis, cache: ProfileCache, analytic: bool = False) -> Profiles:

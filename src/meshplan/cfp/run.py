@@ -26,6 +26,7 @@ from meshplan.cfp.search import STATISTICS, CfpPlan, search
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.model import CostModel
+from meshplan.distributed import TaskRunner, make_executor
 from meshplan.errors import OptionsError
 from meshplan.files import write_json_atomic
 from meshplan.ir.counting import graph_flops
@@ -60,6 +61,8 @@ class CfpRun:
     heads: int = 0
     ffn: int = 0
     experts: int = 0
+    executor: str = "inprocess"
+    ray_address: str = "local"
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -132,7 +135,12 @@ def _profiles(run: CfpRun, analysis: Analysis, say: Say, progress) -> Profiles:
     else:
         settings = ProfileSettings(run.analytic, run.runs, run.warmup, run.memory)
         start = time.perf_counter()
-        profiles = profile(analysis, settings, cache, progress)
+        runner = None if run.executor == "inprocess" else TaskRunner(make_executor(run.executor, 2, run.ray_address))
+        try:
+            profiles = profile(analysis, settings, cache, progress, runner)
+        finally:
+            if runner is not None:
+                runner.close()
         say(f"profiled {len(profiles.segments) - len(profiles.cached)} segment(s) in "
             f"{time.perf_counter() - start:.1f} s ({len(profiles.cached)} from the cache {cache.folder})")
     for line in profiles_text(analysis, profiles, run.statistic):

@@ -208,9 +208,9 @@ class RayExecutor:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "ignore_reinit_error": True}
-            if address == "local":
+            if address == "local":  # a new Ray for this run, even if another runs on this machine
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                kwargs.update(num_cpus=num_cpus)
+                kwargs.update(address="local", num_cpus=num_cpus)
                 if temp_dir:
                     kwargs["_temp_dir"] = temp_dir
             else:
@@ -229,7 +229,9 @@ class RayExecutor:
 
     def run(self, fn: TaskFunction, items: Sequence[tuple[int, Any]], time_limit: float | None) -> Iterator[Attempt]:
         ray = self._ray
-        remote = self._remote.setdefault(fn, ray.remote(max_retries=0, retry_exceptions=False)(fn))
+        if fn not in self._remote:  # retries are ours (counted and bounded the same for every executor)
+            self._remote[fn] = ray.remote(max_retries=0, retry_exceptions=False)(fn)
+        remote = self._remote[fn]
         queue = list(items)[::-1]
         flying: dict[Any, tuple[int, float]] = {}
         slots = self._slots()

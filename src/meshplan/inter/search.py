@@ -39,15 +39,29 @@ class InterOptions:
         recompute: recomputation choices a stage may make ("none", "full").
         relative_bucket: bounds on the slowest stage closer than this ratio are merged
             (0 = exact; the plan is then within that ratio of the optimum on the max term).
+        chunks: model chunks per device to plan for under 1F1B: 1 is plain 1F1B, v > 1 the
+            interleaved schedule (virtual stages, Narayanan et al. 2021: the fill and drain shrink
+            v times, each stage hands off v times per micro-batch); the fastest is kept.
+        node_local_sends: place consecutive partial-node stages in one node where they fit and
+            price their hand-offs on the intra-node link (the DP itself prices every hand-off on
+            the inter-node link, so the placed plan is never slower than the DP's).
     """
 
     capacity_bytes: float = math.inf
     schedule: str = "1f1b"
     recompute: tuple[str, ...] = RECOMPUTE_CHOICES
     relative_bucket: float = 0.0
+    chunks: tuple[int, ...] = (1,)
+    node_local_sends: bool = False
 
     def __post_init__(self) -> None:
         get_schedule(self.schedule)
+        if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
+            raise OptionsError(f"InterOptions(chunks={self.chunks!r}): give model chunks per device as positive "
+                               "integers, e.g. (1, 2, 4)")
+        if self.schedule != "1f1b" and set(self.chunks) != {1}:
+            raise OptionsError(f"InterOptions(chunks={self.chunks!r}) interleaves 1F1B; the {self.schedule!r} "
+                               "schedule takes chunks=(1,)")
         unknown = set(self.recompute) - set(RECOMPUTE_CHOICES)
         if unknown or not self.recompute:
             raise OptionsError(f"InterOptions(recompute={self.recompute!r}): use a non-empty subset of "
@@ -87,37 +101,75 @@ class InterPlan:
 
 def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
                   options: InterOptions | None = None) -> InterPlan | None:
-    """The stages minimising the pipeline latency with every device used, placed on the cluster;
-    None when no such pipeline fits in memory or its sub-meshes do not tile the cluster."""
+    """The stages minimising the iteration time with every device used, placed on the cluster,
+    over the schedules `options` allows (1F1B and its interleaved variants); None when no such
+    pipeline fits in memory or its sub-meshes do not tile the cluster."""
     options = options or InterOptions()
-    schedule = get_schedule(options.schedule)
     # Shapes without a priced view are no candidates: leaving them out keeps the table small.
     shapes = [shape for shape in cluster.submesh_shapes() if costs.views_of(shape)]
     if not shapes:
         return None
+    best = None
+    for chunks in sorted(set(options.chunks)):
+        plan = _plan_with_chunks(costs, cluster, shapes, num_microbatches, options, chunks)
+        if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
+            best = plan
+    return best
+
+
+def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]], num_microbatches: int,
+                      options: InterOptions, chunks: int) -> InterPlan | None:
+    """With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
+    objective for v B micro-batches, over stages that each hand off v times."""
+    schedule = get_schedule(options.schedule)
     per_shape = [costs.views_of(shape) for shape in shapes]
     table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
-                          options.recompute)
+                          options.recompute, sends=chunks)
     sizes = [n * m for n, m in shapes]
-    found = plan_stages(table, sizes, cluster.num_devices, num_microbatches, options.relative_bucket)
+    found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket)
     if found is None:
         return None
-    origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node)
+    origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node,
+                              keep_neighbours=options.node_local_sends)
     if origins is None:
         return None  # the sub-meshes do not tile this cluster (possible when M is not a power of two)
     stages = []
     for j, (slot, origin) in enumerate(zip(found.stages, origins, strict=True)):
         estimate = best_estimate(costs, per_shape[slot.submesh], cluster, slot.first, slot.last,
-                                 len(found.stages) - j, num_microbatches, options)
+                                 len(found.stages) - j, num_microbatches, options, chunks)
         stages.append(replace(estimate, devices=cluster.submesh_ids(shapes[slot.submesh], origin)))
-    return InterPlan(tuple(stages), num_microbatches, options.schedule)
+    if options.node_local_sends:
+        stages = _node_local_sends(costs, cluster, stages, chunks)
+    name = options.schedule if chunks == 1 else "interleaved-1f1b"
+    return InterPlan(tuple(stages), num_microbatches, name, chunks)
+
+
+def _node_local_sends(costs: LayerCosts, cluster: Cluster, stages: list[StageEstimate],
+                      chunks: int) -> list[StageEstimate]:
+    """Re-price the hand-offs between consecutive stages placed in one node on its own link."""
+    per_node = cluster.devices_per_node
+    repriced = []
+    for j, stage in enumerate(stages):
+        following = stages[j + 1] if j + 1 < len(stages) else None
+        nodes = {i // per_node for i in stage.devices} | ({i // per_node for i in following.devices}
+                                                         if following else set())
+        if following is not None and len(nodes) == 1:
+            view = ViewCosts(stage.submesh, stage.view, ())
+            saved = chunks * (handoff_time(costs, view, stage.last, cluster)
+                              - handoff_time(costs, view, stage.last, cluster, in_node=True))
+            stage = replace(stage, latency=stage.latency - saved)
+        repriced.append(stage)
+    return repriced
 
 
 def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Cluster, first: int, last: int,
-                  stages_left: int, num_microbatches: int, options: InterOptions) -> StageEstimate | None:
-    """The fastest fitting estimate of layers first..last over the views of one sub-mesh shape."""
+                  stages_left: int, num_microbatches: int, options: InterOptions,
+                  chunks: int = 1) -> StageEstimate | None:
+    """The fastest fitting estimate of layers first..last over the views of one sub-mesh shape
+    (handing off `chunks` times per micro-batch)."""
     schedule = get_schedule(options.schedule)
     found = [estimate_stage(v, first, last, stages_left, num_microbatches, options.capacity_bytes,
-                            handoff_time(costs, v, last, cluster), schedule, options.recompute) for v in views]
+                            chunks * handoff_time(costs, v, last, cluster), schedule, options.recompute)
+             for v in views]
     found = [e for e in found if e is not None]
     return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None

@@ -172,20 +172,31 @@ class _BandTable:
         f_prev[k_all, 0] = 0.0
         history = [f_prev]
         best_s, best_value = 0, INF
-        largest = int(self.sizes.max())
+        largest, smallest = int(self.sizes.max()), int(self.sizes.min())
+        usable = self.fastest <= t_max  # [span - 1, s, m]
+        longest = int(np.flatnonzero(usable.any(axis=(1, 2))).max(initial=-1)) + 1
+        if longest == 0:
+            return None
         for s in range(1, self.max_stages + 1):
             f_cur = np.full_like(f_prev, INF)
-            reach = min(d_all, s * largest) + 1  # s stages hold at most s of the largest sub-mesh
+            # s stages hold layers k.. only if s <= K - k <= s * longest, and use s * smallest
+            # to s * largest devices: the rest of F(s, ., .) stays inf without being computed.
+            k_lo, k_hi = max(0, k_all - s * longest), k_all - s
+            d_lo, d_hi = s * smallest, min(d_all, s * largest)
+            if k_hi < 0 or d_lo > d_all:
+                break
             for m, size in enumerate(self.sizes):
-                spans = np.flatnonzero(self.fastest[:, s, m] <= t_max) + 1
-                if spans.size == 0 or size >= reach:
+                c0, c1 = max(int(size), d_lo), d_hi + 1
+                if c0 >= c1:
                     continue
-                shifted = f_prev[:, : reach - size]  # F(s - 1, j, d - size) at column d
-                target = f_cur[:, size:reach]
-                for n in spans:
-                    band = self.bands[n - 1][s, m]
+                for n in np.flatnonzero(usable[:, s, m]) + 1:
+                    r1 = min(k_hi, k_all - n) + 1
+                    if k_lo >= r1:
+                        continue
+                    band = self.bands[n - 1][s, m, k_lo:r1]
                     band = np.where(band <= t_max, band, INF)
-                    np.minimum(target[: k_all - n + 1], band[:, None] + shifted[n:], out=target[: k_all - n + 1])
+                    target = f_cur[k_lo:r1, c0:c1]
+                    np.minimum(target, band[:, None] + f_prev[k_lo + n:r1 + n, c0 - size:c1 - size], out=target)
             history.append(f_cur)
             if f_cur[0, d_all] < best_value:
                 best_s, best_value = s, f_cur[0, d_all]

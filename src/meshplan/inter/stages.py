@@ -47,13 +47,15 @@ class StageEstimate:
     devices: tuple[int, ...] = ()
 
 
-def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster) -> float:
+def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster, in_node: bool = False) -> float:
     """Seconds to send one micro-batch's activations after layer `last` and get their gradient
-    back, each device of `view` moving its share over the inter-node link (0 after the last layer)."""
+    back, each device of `view` moving its share over the inter-node link, or the intra-node
+    link when both stages sit in one node (0 after the last layer)."""
     if last >= costs.num_layers - 1:
         return 0.0
     d = cluster.device
-    return 2 * (d.inter_latency + costs.handoff_bytes[last] / view.devices * d.inter_beta)
+    latency, beta = (d.intra_latency, d.intra_beta) if in_node else (d.inter_latency, d.inter_beta)
+    return 2 * (latency + costs.handoff_bytes[last] / view.devices * beta)
 
 
 def range_cost(view: ViewCosts, menu: int, first: int, last: int) -> dict[str, float]:
@@ -124,9 +126,10 @@ def leanest_memory(view: ViewCosts, first: int, last: int, stages_left: int, num
 
 def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
                   num_microbatches: int, capacity: float, schedule: Schedule,
-                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> np.ndarray:
+                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1) -> np.ndarray:
     """[first, last, sub-mesh, stages left] -> best stage key over views, menu entries and
-    recomputation (inf: nothing fits)."""
+    recomputation (inf: nothing fits); `sends`: hand-offs per micro-batch at the stage's end
+    (the model chunks per device under the interleaved schedule)."""
     num_layers = costs.num_layers
     table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
     inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(num_layers + 1)])
@@ -136,7 +139,7 @@ def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], clu
         # counts; the table at s is then the best over c > s (a suffix minimum).
         by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
         for view in views:
-            transfer = np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
+            transfer = sends * np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
             for menu in range(view.menu_size):
                 for latency, fits in _menu_choices(view, menu, transfer, num_microbatches, capacity, inflight,
                                                    recompute_choices):

@@ -16,7 +16,7 @@ from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
 from meshplan.intra.problem_solver import ProblemOptions, solve_problem
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
-from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph
+from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph, reprice_strategy_graph
 from meshplan.ir.graph import Graph, check_graph
 from meshplan.sharding.enumerate import UnsupportedOpWarning, enumerate_strategies, reprice_parameters
 from meshplan.sharding.spec import ShardingSpec
@@ -49,7 +49,7 @@ def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> 
 def solve_intra_prices(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
                        memory_prices: tuple[float, ...]) -> list[IntraPlan]:
     """`solve_intra` once per memory price (`CostModel.memory_price`), the other options fixed:
-    the strategies are enumerated and the resharding costs priced once, then re-priced (the
+    the strategies are enumerated and the strategy graph built once, then re-priced (the
     plans are the same as separate `solve_intra` calls)."""
     plans: list[IntraPlan] = []
     first: StrategyGraph | None = None
@@ -62,7 +62,7 @@ def solve_intra_prices(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
             first = sg
         else:
             nodes = reprice_parameters(graph, mesh, priced.cost, priced.rules, first.nodes)
-            sg = build_strategy_graph(graph, mesh, priced.cost, nodes, first._reshard_cache)
+            sg = reprice_strategy_graph(first, priced.cost, nodes)
         plans.append(_solve_strategy_graph(sg, graph, mesh, priced, start, unsupported))
     return plans
 

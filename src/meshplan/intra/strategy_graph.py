@@ -8,7 +8,7 @@ any assignment, used to report plans and as the brute-force oracle in tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -130,20 +130,27 @@ class StrategyGraph:
         return budget is None or self.peak_memory(group_choice) <= budget * (1 + 1e-9)
 
 
-def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
-                         nodes: tuple[NodeStrategies, ...], reshard_cache: dict | None = None) -> StrategyGraph:
-    """Merge followers into leaders and collect the costs the ILP needs.
+def reprice_strategy_graph(sg: StrategyGraph, model: CostModel, nodes: tuple[NodeStrategies, ...]) -> StrategyGraph:
+    """`sg` with node strategies `nodes` that differ from its own only in their penalties (e.g.
+    another memory price): groups, resharding and compute stay; the communication vectors,
+    where penalties are counted, are summed again in the same order as `build_strategy_graph`."""
+    communication = {g: np.zeros(sg.size(g)) for g in sg.groups}
+    for node in sg.graph.nodes:
+        communication[sg.leader[node.id]] += [s.communication + s.penalty for s in nodes[node.id].strategies]
+    return replace(sg, model=model, nodes=nodes, compute={g: v.copy() for g, v in sg.compute.items()},
+                   communication=communication, resharding={g: v.copy() for g, v in sg.resharding.items()},
+                   edges=dict(sg.edges), forbidden={g: set(v) for g, v in sg.forbidden.items()})
 
-    `reshard_cache`: the resharding costs of another StrategyGraph of the same graph and mesh
-    under a model with the same collectives (shared, so they are priced once)."""
+
+def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
+                         nodes: tuple[NodeStrategies, ...]) -> StrategyGraph:
+    """Merge followers into leaders and collect the costs the ILP needs."""
     leader: list[int] = []
     for ns in nodes:
         node = graph[ns.node]
         leader.append(ns.node if ns.follows is None else leader[node.operands[ns.follows]])
     groups = tuple(dict.fromkeys(leader))
     sg = StrategyGraph(graph, mesh, model, nodes, tuple(leader), groups)
-    if reshard_cache is not None:
-        sg._reshard_cache = reshard_cache
     for g in groups:
         n = sg.size(g)
         sg.compute[g], sg.communication[g], sg.resharding[g] = np.zeros(n), np.zeros(n), np.zeros(n)

@@ -60,6 +60,10 @@ class PlannerOptions:
             data-parallel and ZeRO-2 baselines never do (they all-reduce by definition). On by
             default: GPU collectives run it as such, and it predicts published runs better
             (docs/validation.md).
+        chunks: model chunks per device the stage DP plans for (1: 1F1B; more: interleaved
+            1F1B, InterOptions.chunks).
+        node_local_sends: consecutive stages placed in one node hand off on its link
+            (InterOptions.node_local_sends).
     """
 
     efficiency: float = 0.5
@@ -71,7 +75,12 @@ class PlannerOptions:
     relative_bucket: float = 0.0
     time_limit: float = 30.0
     reduce_scatter: bool = True
+    chunks: tuple[int, ...] = (1, 2, 4)
+    node_local_sends: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:
             raise OptionsError("efficiency and memory_fraction must be in (0, 1]")
+        if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
+            raise OptionsError(f"chunks {self.chunks!r}: give model chunks per device as positive integers, "
+                               "e.g. --chunks 1,2,4 (1 alone: plain 1F1B)")

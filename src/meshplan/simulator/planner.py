@@ -9,7 +9,8 @@ of every sub-mesh shape, and the inter-op pass (meshplan.inter) cuts the layers 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from meshplan.cluster.cluster import Cluster
@@ -101,7 +102,8 @@ def layer_costs(job: TrainingJob, b: int, priced: Priced, kind: str = "view") ->
 
 
 def inter_options(cluster: Cluster, options: PlannerOptions) -> InterOptions:
-    return InterOptions(capacity_bytes=capacity(cluster, options), relative_bucket=options.relative_bucket)
+    return InterOptions(capacity_bytes=capacity(cluster, options), relative_bucket=options.relative_bucket,
+                        chunks=options.chunks, node_local_sends=options.node_local_sends)
 
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,
@@ -124,19 +126,14 @@ def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | 
         return _plan_training(job, cluster, options, progress, stats, priced, tasks_runner)
 
 
-class default_runner:  # noqa: N801 - a context manager read as a phrase
+@contextmanager
+def default_runner(runner: TaskRunner | None, options: PlannerOptions) -> Iterator[TaskRunner]:
     """The runner given, or (closed on exit) one with a process pool of `options.workers`."""
-
-    def __init__(self, runner: TaskRunner | None, options: PlannerOptions) -> None:
-        self.given = runner
-        self.runner = runner or TaskRunner(make_executor("auto", options.workers))
-
-    def __enter__(self) -> TaskRunner:
-        return self.runner
-
-    def __exit__(self, *exc) -> None:
-        if self.given is None:
-            self.runner.close()
+    if runner is not None:
+        yield runner
+        return
+    with TaskRunner(make_executor("auto", options.workers)) as made:
+        yield made
 
 
 def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,

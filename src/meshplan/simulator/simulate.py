@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
@@ -145,16 +146,27 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
         return _simulate(job, cluster, options, progress, baselines, tasks_runner)
 
 
+def _timed_layout_search(job: TrainingJob, cluster: Cluster, options: PlannerOptions):
+    start = time.perf_counter()
+    return search_layouts(job, cluster, memory_fraction=options.memory_fraction), time.perf_counter() - start
+
+
 def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
               baselines: bool, runner: TaskRunner) -> Simulation:
     stats = PlannerStats()
     priced: dict = {}
-    start = time.perf_counter()
-    search = search_layouts(job, cluster, memory_fraction=options.memory_fraction)
-    stats.timed("layout search", start)
-    try:
-        best = plan_training(job, cluster, options, progress, stats, priced, runner)
-    except InfeasiblePlanError:
+    with ThreadPoolExecutor(max_workers=1) as background:
+        # The closed-form layout search needs no pricing: it runs while the workers price
+        # (this process mostly waits for them then).
+        searching = background.submit(_timed_layout_search, job, cluster, options)
+        try:
+            best = plan_training(job, cluster, options, progress, stats, priced, runner)
+            failed_dp = False
+        except InfeasiblePlanError:
+            failed_dp = True
+        search, seconds = searching.result()
+    stats.phases["layout search"] = seconds
+    if failed_dp:
         if search.best is None:
             raise InfeasiblePlanError(no_fit_message(job, cluster, search),
                                       search.leanest.memory.total if search.leanest else None) from None
