@@ -8,6 +8,7 @@ graphs (forward, backward, optimizer) in `meshplan.models.training`.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -99,6 +100,11 @@ class TransformerConfig:
         return (self.experts > 0 and index >= self.first_moe_layer
                 and (index - self.first_moe_layer) % self.moe_every == self.moe_every - 1)
 
+    @functools.cache  # noqa: B019 - see _params
+    def moe_layers(self) -> tuple[bool, ...]:
+        """`is_moe_layer` of every layer, in order."""
+        return tuple(self.is_moe_layer(i) for i in range(self.layers))
+
     def block_params(self, moe: bool = False, active: bool = False) -> int:
         """Parameters of one block; with `active`, only those one token runs through (the top-k
         routed experts and the shared ones, not every expert)."""
@@ -135,6 +141,7 @@ class TransformerConfig:
         positions = self.max_seq_len * self.hidden if self.learned_positions else 0
         return self.active_params() - lookups - positions
 
+    @functools.cache  # noqa: B019 - configs are few, frozen and hashable; layout searches ask thousands of times
     def _params(self, active: bool) -> int:
         blocks = sum(self.block_params(self.is_moe_layer(i), active) for i in range(self.layers))
         positions = self.max_seq_len * self.hidden if self.learned_positions else 0

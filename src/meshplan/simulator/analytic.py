@@ -167,6 +167,13 @@ class _Pricer:
         self.num_microbatches = math.ceil(self.sequences / layout.mb)
         # Megatron accumulates and reduces gradients in fp32 (main_grad) unless told otherwise.
         self._grad_bytes = 4 if layout.fp32_grads or job.dtype is DType.F32 else self.bytes
+        # Per layer kind (dense or MoE): the search prices tens of thousands of layouts of
+        # models with over a hundred layers, and these depend only on the kind.
+        self._moe = job.model.moe_layers()
+        self._any_moe = any(self._moe)
+        self._layer_params: dict[bool, tuple[float, float]] = {}
+        self._reductions: dict[tuple[float, int], float] = {}
+        self._activations: dict[bool, tuple[float, float]] = {}
 
     # -- links -----------------------------------------------------------------------------
 
@@ -331,11 +338,11 @@ class _Pricer:
 
     def predict(self, memory_fraction: float) -> LayoutPrediction:
         lay = self.layout
-        kinds = {moe: self._layer(moe) for moe in {self.model.is_moe_layer(i) for i in range(self.model.layers)}}
+        kinds = {moe: self._layer(moe) for moe in set(self._moe)}
         stages = self._stage_layers()
         times, compute_s, tp_s, recompute_s = [], [], [], []
         for j, layers in enumerate(stages):
-            per = [kinds[self.model.is_moe_layer(i)] for i in layers]
+            per = [kinds[self._moe[i]] for i in layers]
             seconds = sum(p.forward + p.backward + p.recompute for p in per) + self._send(j)
             if j == lay.pp - 1:
                 seconds += self._head()
@@ -347,7 +354,7 @@ class _Pricer:
             compute_s.append(seconds)
         pipeline = pipeline_latency(times, self.num_microbatches, lay.vp)
         critical = max(range(lay.pp), key=lambda j: times[j])
-        backward_window = sum(kinds[self.model.is_moe_layer(i)].backward for i in stages[critical])
+        backward_window = sum(kinds[self._moe[i]].backward for i in stages[critical])
         sync, optimizer = self._data_parallel(stages, backward_window)
         memory = self._memory(stages)
         m = self.num_microbatches
@@ -367,19 +374,31 @@ class _Pricer:
         """(dense, expert) parameters per device of a stage."""
         model, lay = self.model, self.layout
         dense = expert = 0.0
-        for i in layers:
-            moe = model.is_moe_layer(i)
-            block = model.block_params(moe)
-            routed = model.experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * model.expert_width \
-                if moe else 0
-            dense += (block - routed) / lay.tp
-            expert += routed / (lay.tp * lay.ep)
+        for moe, count in self._kind_counts(layers):  # parameters depend only on the layers' kinds
+            layer_dense, layer_expert = self._one_layer_params(moe)
+            dense += count * layer_dense
+            expert += count * layer_expert
         table = model.vocab * model.hidden / lay.tp
         if first:
             dense += table + (model.max_seq_len * model.hidden if model.learned_positions else 0)
         if last:
             dense += table
         return dense, expert
+
+    def _kind_counts(self, layers: list[int]) -> list[tuple[bool, int]]:
+        """(is MoE, how many) of the kinds present among `layers`."""
+        routed = sum(self._moe[i] for i in layers) if self._any_moe else 0
+        return [(moe, n) for moe, n in ((False, len(layers) - routed), (True, routed)) if n]
+
+    def _one_layer_params(self, moe: bool) -> tuple[float, float]:
+        """(dense, expert) parameters per device of one layer of the kind."""
+        if moe not in self._layer_params:
+            model, lay = self.model, self.layout
+            block = model.block_params(moe)
+            routed = model.experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * model.expert_width \
+                if moe else 0
+            self._layer_params[moe] = ((block - routed) / lay.tp, routed / (lay.tp * lay.ep))
+        return self._layer_params[moe]
 
     def _data_parallel(self, stages: list[list[int]], backward_window: float) -> tuple[float, float]:
         """(exposed gradient communication, optimizer step) of the slowest stage, per iteration.
@@ -397,7 +416,7 @@ class _Pricer:
             comm = self._hierarchical(dense * grad_bytes, group) + self._hierarchical(expert * grad_bytes,
                                                                                       group // lay.ep)
             if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
-                comm = self._fsdp_comm(self.model.is_moe_layer(layers[-1]))[1] if layers else 0.0
+                comm = self._fsdp_comm(self._moe[layers[-1]])[1] if layers else 0.0
             elif lay.distributed_optimizer:
                 comm = comm / 2 + self._hierarchical(dense * self.bytes, group) / 2  # RS of grads + AG of weights
             exposed = comm
@@ -412,6 +431,12 @@ class _Pricer:
     def _hierarchical(self, nbytes: float, group: int) -> float:
         if group <= 1 or nbytes <= 0:
             return 0.0
+        key = (nbytes, group)
+        if key not in self._reductions:  # stages of equal size reduce equal bytes
+            self._reductions[key] = self._hierarchical_time(nbytes, group)
+        return self._reductions[key]
+
+    def _hierarchical_time(self, nbytes: float, group: int) -> float:
         per_node = self.cluster.devices_per_node
         stride = self.layout.tp
         local = max(1, min(group, per_node // stride)) if stride < per_node else 1
@@ -430,6 +455,11 @@ class _Pricer:
         """(kept for backward, kept under full recompute) bytes of one layer and micro-batch
         per device, after Korthikanti et al. 2022 Eq. 1-5: sbh(34 + 5as/h) for GPT without
         parallelism, generalised to grouped-query attention, SwiGLU and MoE widths."""
+        if moe not in self._activations:
+            self._activations[moe] = self._layer_activation_bytes(moe)
+        return self._activations[moe]
+
+    def _layer_activation_bytes(self, moe: bool) -> tuple[float, float]:
         model, lay, t = self.model, self.layout, self.tokens
         h, d, tp = model.hidden, model.head_dim, lay.tp
         split = tp if lay.sp else 1
@@ -470,6 +500,7 @@ class _Pricer:
         for j, layers in enumerate(stages):
             first, last = j == 0, j == lay.pp - 1
             dense, expert = self._stage_params(layers, first, last)
+            kinds = self._kind_counts(layers)
             params = dense + expert
             group = lay.dp * lay.cp
             weights = params * self.bytes
@@ -477,20 +508,20 @@ class _Pricer:
             gathered = 0.0
             if lay.fsdp:  # sharded fp32 master copy in the optimizer state; two layers gathered at a time
                 weights, gradients = 0.0, gradients / group
-                gathered = 2 * max(model.block_params(model.is_moe_layer(i)) for i in layers) / lay.tp * self.bytes
+                gathered = 2 * max(model.block_params(moe) for moe, _ in kinds) / lay.tp * self.bytes
             per_param_state = {"adam": 12, "sgd": 4}.get(self.job.optimizer, 12)
             if self.job.dtype is DType.F32:
                 per_param_state -= 4  # no separate fp32 master copy
             shard_dense = group if lay.distributed_optimizer or lay.fsdp else 1
             shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer or lay.fsdp else 1
             optimizer = per_param_state * (dense / shard_dense + expert / shard_expert)
-            kept = [self._activation_bytes(model.is_moe_layer(i)) for i in layers]
+            kept = [(n, self._activation_bytes(moe)) for moe, n in kinds]
             held = max(1.0, min(self._inflight(j), self.num_microbatches))
             if lay.recompute == "full":
-                one = sum(k[1] for k in kept)
-                working = max(k[0] for k in kept)
+                one = sum(n * k[1] for n, k in kept)
+                working = max(k[0] for _, k in kept)
             else:
-                one = sum(k[0] for k in kept)
+                one = sum(n * k[0] for n, k in kept)
                 working = 0.0
             logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
             workspace = WORKSPACE_BYTES + max(working, logits) + gathered
