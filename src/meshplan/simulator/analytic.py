@@ -336,6 +336,10 @@ class _Pricer:
         loss = self._hbm(4 * t * model.vocab / self.layout.tp * 4)  # fp32 logits: softmax and its gradient
         return 3 * gemm + loss
 
+    def memory(self) -> MemoryBreakdown:
+        """Peak memory per device of the most loaded stage."""
+        return self._memory(self._stage_layers())
+
     def predict(self, memory_fraction: float) -> LayoutPrediction:
         lay = self.layout
         kinds = {moe: self._layer(moe) for moe in set(self._moe)}
@@ -577,11 +581,16 @@ def search_layouts(job: TrainingJob, cluster: Cluster, efficiency: KernelEfficie
     """Price every candidate layout; the fastest that fits and the leanest overall."""
     best = leanest = None
     count = 0
+    capacity = cluster.device.memory_bytes * memory_fraction
     for layout in candidate_layouts(job, cluster, fp8):
         if check_layout(job, cluster, layout):
             continue
         count += 1
-        found = price_layout(job, cluster, layout, efficiency, memory_fraction)
+        pricer = _Pricer(job, cluster, layout, efficiency)
+        needed = pricer.memory().total
+        if needed > capacity and leanest is not None and needed >= leanest.memory.total:
+            continue  # neither a candidate nor the leanest: its time is not needed
+        found = pricer.predict(memory_fraction)
         if leanest is None or found.memory.total < leanest.memory.total:
             leanest = found
         if found.fits and (best is None or found.iteration_time < best.iteration_time):
