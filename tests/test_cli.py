@@ -65,8 +65,7 @@ def test_solve_problem_writes_solution(tmp_path):
 
     from iopddl_score import load, score
 
-    example = Path(__file__).resolve().parents[1] / ".." / "shared" / "iopddl" / "example.json"
-    example = example if example.exists() else Path("/work/shared/iopddl/example.json")
+    example = Path(__file__).resolve().parents[2] / "shared" / "iopddl" / "example.json"  # ../shared beside the repo
     out = tmp_path / "solution.json"
     result = run("solve-problem", str(example), "--time-limit", "20", "--out", str(out))
     assert result.returncode == 0, result.stderr

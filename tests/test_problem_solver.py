@@ -17,9 +17,7 @@ from meshplan.intra.memory import memory_rows
 from meshplan.intra.presolve import presolve
 from meshplan.intra.problem import ProblemError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "iopddl"
-if not SHARED.exists():
-    SHARED = Path("/work/shared/iopddl")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"  # ../shared beside the repo
 BEST_KNOWN = {"B": 532_843, "S": 1_521_949_307, "U": 2_443_995_952}
 
 

@@ -6,7 +6,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -21,6 +21,11 @@ from meshplan.models.registry import forward_graph
 from meshplan.plan import single_stage_plan
 from meshplan.report.intra_text import print_intra_plan
 from meshplan.sharding.strategy import StrategySpace
+
+if TYPE_CHECKING:
+    from meshplan.cluster.cluster import Cluster
+    from meshplan.plan import Plan
+    from meshplan.simulator import TrainingJob
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Plan data, tensor and pipeline parallelism for deep-learning training.")
@@ -284,7 +289,7 @@ def diff(
         console.print(f"... {len(changes) - len(shown)} more (--limit 0 shows all)", highlight=False)
 
 
-def _price_layout(job, machines, text: str, efficiency_file: str):
+def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_file: str) -> Plan:
     """`simulate --layout`: the given layout priced in closed form, next to the fastest
     layout the search finds for the same job."""
     from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency

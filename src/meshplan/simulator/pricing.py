@@ -159,7 +159,7 @@ def price_view(task: PricingTask) -> ViewCosts:
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
     mesh = cluster.logical_views(key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
-    gemm_peak = cluster.device.peak_flops if options.gemm_curve else None
+    gemm_peak = gemm_curve_peak(cluster, options)
     axis = batch_axis(mesh)
     blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
@@ -187,6 +187,11 @@ def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
     """Activations one micro-batch sends across each block boundary."""
     per_boundary = microbatch_size * job.seq_len * job.model.hidden * job.dtype.itemsize
     return (float(per_boundary),) * (job.model.layers - 1)
+
+
+def gemm_curve_peak(cluster: Cluster, options: PlannerOptions) -> float | None:
+    """The peak contractions are priced against on the GEMM curve (None: at `options.efficiency`)."""
+    return cluster.device.peak_flops if options.gemm_curve else None
 
 
 def batch_axis(mesh: LogicalMesh) -> int:
