@@ -60,12 +60,13 @@ def test_user_errors_are_one_message(args, message):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.data
 def test_solve_problem_writes_solution(tmp_path):
-    from pathlib import Path
-
     from iopddl_score import load, score
 
-    example = Path(__file__).resolve().parents[2] / "shared" / "iopddl" / "example.json"  # ../shared beside the repo
+    from data_files import IOPDDL
+
+    example = IOPDDL / "example.json"
     out = tmp_path / "solution.json"
     result = run("solve-problem", str(example), "--time-limit", "20", "--out", str(out))
     assert result.returncode == 0, result.stderr
