@@ -5,13 +5,13 @@ A failure is a rank whose process ended with a non-zero status or a signal, or w
 (`meshplan.launch.progress`), because from outside a rank that waits for its peers inside a collective
 looks exactly like a rank that sleeps:
 
-    when no rank has reported progress for `timeout` seconds, the ranks that have started fewer
-    parallelized calls than the furthest rank, and are not building a call (capturing, planning,
-    compiling), hang.
+    a rank hangs when it has started fewer parallelized calls than another rank and has reported
+    nothing for `timeout` seconds, while no rank is building a call (capturing, planning, compiling).
 
 Every rank calls its parallelized functions in the same order (their collectives span all processes),
-so a rank left behind while the others stopped moving is the one they wait for. Ranks that all
-stopped at the same call are not blamed (a long step, or a hang no rank's progress can attribute).
+so the rank left behind is the one the others wait for; a rank still building is progress (the rank
+behind may catch up meanwhile). Ranks that all stopped at the same call are not blamed (a long step, or
+a hang no rank's progress can attribute).
 """
 
 from __future__ import annotations
@@ -74,16 +74,16 @@ def failure_message(states: Sequence[RankState]) -> str | None:
 
 def hang_message(states: Sequence[RankState], timeout: float) -> str | None:
     """One line naming the ranks that hang by the module's rule, or None (no hang, or `timeout` <= 0)."""
-    if timeout <= 0 or not states or any(s.quiet_s < timeout for s in states):
+    if timeout <= 0 or not states or any(s.progress and s.progress.building for s in states):
         return None
     furthest = max(s.calls for s in states)
-    behind = [s for s in states if s.calls < furthest and not (s.progress and s.progress.building)]
+    behind = [s for s in states if s.calls < furthest and s.quiet_s >= timeout]
     if not behind:
         return None
     leaders = [str(s.rank) for s in states if s.calls == furthest]
     where = "joined the job" if furthest == 0 else f"started parallelized call {furthest}"
     return (f"{'; '.join(map(_behind, behind))}, while rank{'s' * (len(leaders) > 1)} {', '.join(leaders)} "
-            f"{where}; no rank reported progress for {timeout:g} s (--hang-timeout)")
+            f"{where} (--hang-timeout {timeout:g} s)")
 
 
 def _behind(state: RankState) -> str:
