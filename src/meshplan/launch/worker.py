@@ -10,6 +10,7 @@ returns None: the same script runs in one process.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 from meshplan.errors import LaunchError
 from meshplan.launch.environment import WorkerEnvironment
@@ -45,7 +46,7 @@ def initialize() -> WorkerEnvironment | None:
     return worker
 
 
-def _check_devices(jax, worker: WorkerEnvironment) -> None:
+def _check_devices(jax: ModuleType, worker: WorkerEnvironment) -> None:
     """Every process must hold the launcher's number of devices (JAX's meshes assume even processes);
     starting the backend here also waits for every process to join."""
     local, total = jax.local_device_count(), jax.device_count()
