@@ -391,8 +391,8 @@ def launch(
                                                   "127.0.0.1, or rank 0's Ray node, and a free port).")] = "",
     ray_address: Annotated[str, typer.Option(help="Run on Ray: local (start one here), auto (the cluster this "
                                                   "node is in) or ray://HOST:PORT.")] = "",
-    hang_timeout: Annotated[float, typer.Option(help="Seconds without progress from any process before one "
-                                                     "left behind counts as hung; 0: off.")] = 30.0,
+    hang_timeout: Annotated[float, typer.Option(help="Seconds a process behind the others may stay silent "
+                                                     "before it counts as hung; 0: off.")] = 30.0,
     ray_temp_dir: Annotated[str, typer.Option(help="Folder for a local Ray's files (with --ray-address "
                                                    "local).")] = "",
 ) -> None:

@@ -30,7 +30,7 @@ class LaunchSpec:
         coordinator: HOST:PORT for JAX's coordination service ("": 127.0.0.1, or rank 0's node on Ray,
             and a free port).
         ray_address: "" to start local processes; "local", "auto" or "ray://HOST:PORT" to run on Ray.
-        hang_timeout: seconds without progress from any rank before a rank left behind is declared hung
+        hang_timeout: seconds a rank behind the others may stay silent before it is declared hung
             (`meshplan.launch.faults`); 0 turns the hang watch off.
         ray_temp_dir: where a local Ray keeps its files ("": Ray's default).
     """
