@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from meshplan.cluster.mesh import LogicalMesh, parse_bytes, parse_floats, parse_mesh_shape
 from meshplan.cost.model import CostModel
@@ -47,7 +48,7 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             return command(*args, **kwargs)
         except MeshplanError as exc:
             # soft_wrap: a terminal wraps the line at its real width; a pipe or a log gets it whole
-            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return run
@@ -363,6 +364,47 @@ def profile_cluster(
     Console().print(f"wrote {out}: {nodes}x{per_node} {jax.devices()[0].platform} devices, matmul "
                     f"{d['peak_flops'] / 1e9:.1f} GFLOP/s, intra-node {d['intra_bandwidth'] / 1e9:.2f} GB/s "
                     f"(latency {d['intra_latency'] * 1e6:.1f} us), inter-node {d['inter_bandwidth'] / 1e9:.2f} GB/s")
+
+
+_LAUNCH_HELP = """\b
+Examples:
+  meshplan launch --nprocs 2 --devices-per-process 4 -- python train.py
+  meshplan launch --ray-address auto -- python train.py
+
+The script calls meshplan.launch.initialize() before anything uses JAX. Exit status: 0 when every
+process exits 0; 1 when one fails or hangs (all are stopped, one line names the rank); 2 for a bad
+setup. See docs/multihost.md."""
+
+
+@app.command(epilog=_LAUNCH_HELP, context_settings={"allow_interspersed_args": False},
+             short_help="Start a JAX job's processes here or on Ray; watch them.")
+@user_errors
+def launch(
+    command: Annotated[list[str] | None, typer.Argument(help="What every process runs, after --.",
+                                                        show_default=False)] = None,
+    nprocs: Annotated[int | None, typer.Option(help="Processes to start (on Ray: workers, default one per "
+                                                    "node).", show_default=False)] = None,
+    devices_per_process: Annotated[int | None, typer.Option(help="CPU devices per process (default 1); on Ray "
+                                                                 "GPU nodes, GPUs per worker (default: the "
+                                                                 "node's).", show_default=False)] = None,
+    coordinator: Annotated[str, typer.Option(help="HOST:PORT of JAX's coordination service (default: "
+                                                  "127.0.0.1, or rank 0's Ray node, and a free port).")] = "",
+    ray_address: Annotated[str, typer.Option(help="Run on Ray: local (start one here), auto (the cluster this "
+                                                  "node is in) or ray://HOST:PORT.")] = "",
+    hang_timeout: Annotated[float, typer.Option(help="Seconds a process behind the others may stay silent "
+                                                     "before it counts as hung; 0: off.")] = 30.0,
+    ray_temp_dir: Annotated[str, typer.Option(help="Folder for a local Ray's files (with --ray-address "
+                                                   "local).")] = "",
+) -> None:
+    """Start the processes of one JAX job with jax.distributed set up for them (coordinator, process
+    count and ids, devices, gloo collectives on CPU), show rank 0's output and the others' errors, and
+    stop them all with one message naming the rank when one fails or hangs."""
+    from meshplan.launch import LaunchSpec, run
+
+    status = run(LaunchSpec(tuple(command or ()), nprocs, devices_per_process, coordinator, ray_address,
+                            hang_timeout, ray_temp_dir))
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command(short_help="CFP: ParallelBlocks planned with profiled costs.")

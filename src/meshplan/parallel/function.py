@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.files import write_json_atomic, write_text_atomic
+from meshplan.launch.progress import building, report_call
 from meshplan.runtime.abstract import signature
 
 Compiled = TypeVar("Compiled")
@@ -63,8 +64,10 @@ class ParallelizedFunction(Generic[Compiled]):
     def _compiled(self, args: tuple[Any, ...]) -> Compiled:
         """The cached build for `args`' signature, built on first sight; it becomes the last."""
         key = signature(args)
+        report_call()  # under `meshplan launch`, progress for its hang watch (every call, in every process)
         if key not in self._cache:
-            self._cache[key] = self._build(args)
+            with building():
+                self._cache[key] = self._build(args)
         self._last = self._cache[key]
         return self._last
 
