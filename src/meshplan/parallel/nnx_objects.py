@@ -1,0 +1,125 @@
+"""Flax nnx objects as arguments of a parallelized step: traced as their state, updated in place.
+
+An nnx module, optimizer, metric or `Rngs` is a mutable Python object (a graph node), and an nnx
+step changes it in place (`optimizer.update(model, grads)`, `metrics.update(...)`) and may return
+nothing. A trace can take only arrays, so, as `nnx.jit` does, every such object among the
+arguments is split into a graph definition and its state, all of them together so that references
+shared between them stay shared (`split_objects`); the state is what is captured, planned and
+run. Inside the trace the state is merged back into fresh objects that the step mutates
+(`merge_objects`); after the step they are split again (`states_of`), the new state becomes a
+result of the parallelized program, and `write_back` puts it into the caller's objects.
+
+A bare `nnx.Variable` or an `nnx.State` (the functional API: `params = nnx.state(model)`) is a
+pytree of arrays and stays an ordinary argument.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from meshplan.errors import OptionsError
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectState:
+    """Where an nnx object was among the arguments: its state (None when it is a second reference
+    to an object met before), and the graph definition of all the call's objects."""
+
+    graphdef: Any
+    index: int
+    state: Any
+
+
+jax.tree_util.register_pytree_with_keys(
+    ObjectState,
+    lambda o: (((jax.tree_util.GetAttrKey("state"), o.state),), (o.graphdef, o.index)),
+    lambda aux, children: ObjectState(aux[0], aux[1], children[0]),
+    flatten_func=lambda o: ((o.state,), (o.graphdef, o.index)))
+
+
+def split_objects(tree: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`tree` with each nnx object replaced by an ObjectState, and the objects in order."""
+    is_object = _object_test()
+    if is_object is None:
+        return tree, ()
+    leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=is_object)
+    objects = tuple(leaf for leaf in leaves if is_object(leaf))
+    if not objects:
+        return tree, ()
+    nnx = sys.modules["flax.nnx"]
+    graphdef, state = nnx.split(objects)
+    held = iter(ObjectState(graphdef, k, state.get(k)) for k in range(len(objects)))  # state None: a repeat
+    leaves = [next(held) if is_object(leaf) else leaf for leaf in leaves]
+    return jax.tree_util.tree_unflatten(structure, leaves), objects
+
+
+def merge_objects(tree: Any) -> tuple[Any, tuple[Any, ...], Any]:
+    """`tree` with each ObjectState replaced by a fresh nnx object holding that state, the fresh
+    objects and their graph definition (the inverse of `split_objects`, inside a trace)."""
+    is_state = lambda x: isinstance(x, ObjectState)  # noqa: E731
+    leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=is_state)
+    held = [leaf for leaf in leaves if is_state(leaf)]
+    if not held:
+        return tree, (), None
+    nnx = sys.modules["flax.nnx"]
+    graphdef = held[0].graphdef
+    objects = nnx.merge(graphdef, nnx.State({o.index: o.state for o in held if o.state is not None}))
+    leaves = [objects[leaf.index] if is_state(leaf) else leaf for leaf in leaves]
+    return jax.tree_util.tree_unflatten(structure, leaves), objects, graphdef
+
+
+def states_of(objects: tuple[Any, ...], graphdef: Any, name: str) -> tuple[Any, ...]:
+    """The state of each object after the step, in the order `split_objects` gave them.
+
+    Raises:
+        OptionsError: the step changed the objects' structure or static attributes.
+    """
+    nnx = sys.modules["flax.nnx"]
+    new_graphdef, state = nnx.split(objects)
+    if new_graphdef != graphdef:
+        raise OptionsError(
+            f"{name} changes the structure of the nnx objects passed to it (adds or removes a Variable or "
+            f"submodule, or sets a static attribute such as model.train()/model.eval()); a parallelized step "
+            f"updates its objects' values in place only: make such changes outside the step, before calling it")
+    return tuple(state.get(i) for i in range(len(objects)))
+
+
+def write_back(objects: tuple[Any, ...], states: tuple[Any, ...]) -> None:
+    """Put the new states into the caller's objects (their Variables now hold the results)."""
+    nnx = sys.modules["flax.nnx"]
+    nnx.update(objects, nnx.State({i: s for i, s in enumerate(states) if s is not None}))
+
+
+def check_no_objects(tree: Any, what: str, name: str) -> None:
+    """Raise if `tree` (a step's results) holds an nnx object: it would come back as a copy that no
+    caller reference points to."""
+    is_object = _object_test()
+    if is_object is None:
+        return
+    found = [jax.tree_util.keystr(path) for path, leaf in
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_object)[0] if is_object(leaf)]
+    if found:
+        raise OptionsError(
+            f"{name} returns nnx object(s) at {what}{', '.join(found)}; a parallelized step updates the nnx objects "
+            f"passed to it in place (as nnx.jit does), so return only arrays (e.g. the loss and metrics) and keep "
+            f"using the objects you passed")
+
+
+def has_objects(tree: Any) -> bool:
+    """Whether `tree` holds ObjectStates (a call that passed nnx objects)."""
+    return any(isinstance(leaf, ObjectState) for leaf in
+               jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ObjectState)))
+
+
+def _object_test() -> Any:
+    """A predicate for nnx objects (graph nodes that are not bare Variables); None when nnx was never
+    imported (then no argument can be one)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    is_graph_node, variable = nnx.graph.is_graph_node, nnx.Variable
+    return lambda x: is_graph_node(x) and not isinstance(x, variable)
