@@ -67,10 +67,14 @@ def config_step(params, batch, config, *, clip=None):
 
 
 def mlp_data(batch=16, d_in=16, hidden=32, d_out=8):
-    k = jax.random.split(jax.random.key(0), 4)
-    params = {"w1": jax.random.normal(k[0], (d_in, hidden)) / d_in ** 0.5,
-              "w2": jax.random.normal(k[1], (hidden, d_out)) / hidden ** 0.5}
-    return params, {"x": jax.random.normal(k[2], (batch, d_in)), "y": jax.random.normal(k[3], (batch, d_out))}
+    rng = np.random.default_rng(0)
+    params = {"w1": normal(rng, (d_in, hidden)) / d_in ** 0.5, "w2": normal(rng, (hidden, d_out)) / hidden ** 0.5}
+    return params, {"x": normal(rng, (batch, d_in)), "y": normal(rng, (batch, d_out))}
+
+
+def normal(rng, shape):
+    """Random float32 data made with NumPy (jax.random would compile a program per shape)."""
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
 def run(step, params, batch, steps, **kwargs):
@@ -156,9 +160,9 @@ def marked_loss(params, x, targets, power):
 
 
 def test_marked_loss_with_a_static_argument_and_keywords():
-    k = jax.random.split(jax.random.key(4), 4)
-    params = [{"w": jax.random.normal(k[0], (16, 32)) / 4}, {"w": jax.random.normal(k[1], (32, 8)) / 6}]
-    x, y = jax.random.normal(k[2], (8, 16)), jax.random.normal(k[3], (8, 8))
+    rng = np.random.default_rng(4)
+    params = [{"w": normal(rng, (16, 32)) / 4}, {"w": normal(rng, (32, 8)) / 6}]
+    x, y = normal(rng, (8, 16)), normal(rng, (8, 8))
     f = parallelize(marked_loss, method=PipeshardParallel(num_micro_batches=2), static_argnames="power")
     for power in (2, 3):
         loss, grads = f(params, x, targets=y, power=power)
@@ -203,8 +207,8 @@ def nnx_objects():
 
 
 def images(batch=16):
-    k = jax.random.split(jax.random.key(7), 2)
-    return {"image": jax.random.normal(k[0], (batch, 8, 8, 1)), "label": jax.random.randint(k[1], (batch,), 0, 10)}
+    rng = np.random.default_rng(7)
+    return {"image": normal(rng, (batch, 8, 8, 1)), "label": jnp.asarray(rng.integers(0, 10, batch), jnp.int32)}
 
 
 @pytest.mark.parametrize("name, decorated", [("shard", False), ("data", True), ("zero3", False), ("pipeshard", False),
@@ -259,6 +263,22 @@ def test_nnx_step_with_dropout_rngs_and_donation():
     assert_same_training(got_losses, want_losses, nnx.state(got[0], nnx.Param), nnx.state(want[0], nnx.Param))
     assert int(got[0].drop.rngs.count[...]) == STEPS
     assert parallel._last.donation.pairs
+
+
+def test_a_variable_passed_alone_is_updated_in_place_and_a_state_is_a_value():
+    def accumulate(total, params, x):
+        total[...] = total[...] + jnp.sum(x @ params["kernel"][...], axis=0)
+        return jnp.mean(x)
+
+    model = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+    total, params = nnx.Variable(jnp.zeros(4)), nnx.state(model)
+    x = mlp_data()[1]["x"]
+    step = parallelize(accumulate)
+    for _ in range(2):
+        step(total, params, x)
+    np.testing.assert_allclose(np.asarray(total[...]), 2 * np.asarray(jnp.sum(x @ model.kernel[...], axis=0)),
+                               rtol=1e-5, atol=1e-5)
+    assert len(step.call.bind((total, params, x), {}).objects) == 1  # the State stays an argument
 
 
 # --- errors ------------------------------------------------------------------------------------------

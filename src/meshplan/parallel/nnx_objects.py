@@ -9,8 +9,9 @@ run. Inside the trace the state is merged back into fresh objects that the step 
 (`merge_objects`); after the step they are split again (`states_of`), the new state becomes a
 result of the parallelized program, and `write_back` puts it into the caller's objects.
 
-A bare `nnx.Variable` or an `nnx.State` (the functional API: `params = nnx.state(model)`) is a
-pytree of arrays and stays an ordinary argument.
+A Variable passed on its own is an object too (`counter[...] += 1` in the step counts); an
+`nnx.State` (the functional API: `params = nnx.state(model)`) is a pytree of arrays and stays an
+ordinary argument, Variables in it included.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ jax.tree_util.register_pytree_with_keys(
 
 def split_objects(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     """`tree` with each nnx object replaced by an ObjectState, and the objects in order."""
-    is_object = _object_test()
-    if is_object is None:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # nnx was never imported: no argument can be an nnx object
         return tree, ()
-    leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=is_object)
+    is_object = lambda x: _kind(x, nnx) == "object"  # noqa: E731
+    leaves, structure = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: _kind(x, nnx) != "value")
     objects = tuple(leaf for leaf in leaves if is_object(leaf))
     if not objects:
         return tree, ()
-    nnx = sys.modules["flax.nnx"]
     graphdef, state = nnx.split(objects)
     held = iter(ObjectState(graphdef, k, state.get(k)) for k in range(len(objects)))  # state None: a repeat
     leaves = [next(held) if is_object(leaf) else leaf for leaf in leaves]
@@ -95,11 +96,12 @@ def write_back(objects: tuple[Any, ...], states: tuple[Any, ...]) -> None:
 
 
 def check_no_objects(tree: Any, what: str, name: str) -> None:
-    """Raise if `tree` (a step's results) holds an nnx object: it would come back as a copy that no
-    caller reference points to."""
-    is_object = _object_test()
-    if is_object is None:
+    """Raise if `tree` (a step's results) holds an nnx object (a Variable is a value there): it would
+    come back as a copy that no caller reference points to."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
         return
+    is_object = lambda x: _kind(x, nnx) == "object" and not isinstance(x, nnx.Variable)  # noqa: E731
     found = [jax.tree_util.keystr(path) for path, leaf in
              jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_object)[0] if is_object(leaf)]
     if found:
@@ -115,11 +117,20 @@ def has_objects(tree: Any) -> bool:
                jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ObjectState)))
 
 
-def _object_test() -> Any:
-    """A predicate for nnx objects (graph nodes that are not bare Variables); None when nnx was never
-    imported (then no argument can be one)."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return None
-    is_graph_node, variable = nnx.graph.is_graph_node, nnx.Variable
-    return lambda x: is_graph_node(x) and not isinstance(x, variable)
+_KIND_OF_TYPE: dict[type, str] = {}  # a memo: nnx.graph.is_graph_node costs ~30 us a value, a call has hundreds
+
+
+def _kind(x: Any, nnx: Any) -> str:
+    """"object" (an nnx graph node: module, optimizer, Rngs, Variable), "state" (an nnx.State) or
+    "value". Graph nodes are registered by type, so the answer is kept per type; JAX arrays are
+    values (nnx would also count a mutable array ref as a node; those are not supported here)."""
+    kind = _KIND_OF_TYPE.get(type(x))
+    if kind is None:
+        if isinstance(x, nnx.State):
+            kind = "state"
+        elif isinstance(x, jax.Array) or not nnx.graph.is_graph_node(x):
+            kind = "value"
+        else:
+            kind = "object"
+        _KIND_OF_TYPE[type(x)] = kind
+    return kind
