@@ -77,9 +77,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
     def wrap(f: Callable[..., Any]) -> SpmdFunction | PipeshardFunction:
         form = CallForm.of(f, static_argnums, static_argnames)
         batch = None if batch_argnums is None and not batch_argnames else \
-            form.slots(batch_argnums, batch_argnames, "batch_argnums")
+            form.slot_indices(batch_argnums, batch_argnames, "batch_argnums")
         donated = donate_argnums if donate_argnums == "auto" else \
-            form.slots(_check_donate_argnums(donate_argnums), donate_argnames, "donate_argnums")
+            form.slot_indices(_check_donate_argnums(donate_argnums), donate_argnames, "donate_argnums")
         _check_not_static(form, batch or (), "batch_argnums")
         _check_not_static(form, () if donated == "auto" else donated, "donate_argnums")
         if isinstance(method, PipeshardParallel):  # a train step, or a loss fn with boundaries

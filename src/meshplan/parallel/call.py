@@ -147,7 +147,8 @@ class CallForm:
                                f"count {self.name}'s positional arguments from 0")
         return key if key < len(self.positional) else key + len(self.keyword_only)
 
-    def slots(self, nums: Iterable[int] | int | None, names: Iterable[str] | str, option: str) -> tuple[int, ...]:
+    def slot_indices(self, nums: Iterable[int] | int | None, names: Iterable[str] | str,
+                     option: str) -> tuple[int, ...]:
         """Slot indices of the parameters given by position and by name (in that order, no repeats)."""
         found = [self.slot(n, option) for n in _ints(nums or ())] + [self.slot(n, option) for n in _strs(names)]
         return tuple(dict.fromkeys(found))
@@ -160,7 +161,7 @@ class CallForm:
     def static_slots(self) -> tuple[int, ...]:
         """Slot indices of the static parameters that have one (not extra `**kwargs`)."""
         names = [n for n in self.static_argnames if n in self.positional or n in self.keyword_only]
-        return self.slots(tuple(self.static_argnums), names, "static_argnums")
+        return self.slot_indices(tuple(self.static_argnums), names, "static_argnums")
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BoundCall:
         """One call's slots.

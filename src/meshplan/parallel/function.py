@@ -4,8 +4,8 @@ A call is first bound to the function's signature (meshplan.parallel.call: keywo
 static arguments, nnx objects as their state); the bound slots are planned and compiled once per
 input signature (pytree structure with the static values, shapes, dtypes) and the result
 cached; `get_plan` returns the last call's plan and `dump_debug_info` writes what the last call
-planned and compiled. Subclasses say how to run the slots (`_run`), how to
-build (`_build`), what the plan is (`_plan_of`) and which debug files to write (`_debug_files`).
+planned and compiled. Subclasses say how to run the slots (`_run`), how to build (`_build`),
+what the plan is (`_plan_of`) and which debug files to write (`_debug_files`).
 """
 
 from __future__ import annotations
