@@ -26,7 +26,9 @@ from meshplan.capture import capture, find_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
+from meshplan.parallel.call import CallForm, dynamic_slots, with_fixed_slots
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
+from meshplan.parallel.nnx_objects import has_objects
 from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, auto_layer_count, stage_assignments
 from meshplan.parallel.pipeshard_step import (
     LossProgram,
@@ -82,13 +84,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
     function as `f(params, x, targets) -> (loss, grads)`.
     """
 
-    def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
+    def __init__(self, fn: Callable[..., Any] | CallForm, method: PipeshardParallel, devices: Sequence[Any] | None,
                  costs: DeviceCosts | None = None, batch_argnums: tuple[int, ...] | None = None) -> None:
+        """`batch_argnums` are slot indices (CallForm.slot)."""
         super().__init__(fn, method, devices, costs)
         self.batch_argnums = batch_argnums
         self._events: tuple[Event, ...] = ()
 
-    def __call__(self, *args: Any) -> Any:
+    def _run(self, args: tuple[Any, ...]) -> Any:
         """The step's results (a train step), or loss and grads equal to
         `jax.value_and_grad(loss_fn)(params, x, targets)` (a loss function).
 
@@ -99,8 +102,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         """
         compiled = self._compiled(args)
         if isinstance(compiled, _StepCompiled):
-            return self._run_step(compiled, args)
-        params, x, targets = args
+            return _scalars_together(self._run_step(compiled, args), compiled.parts.pipeline.stage_meshes[-1])
+        params, x, targets = dynamic_slots(args)
         per_stage = [tuple(params[s.first:s.last + 1]) for s in compiled.stages]
         result = run_pipeline(compiled.pipeline, per_stage, x, targets, self.method.num_micro_batches,
                               self.method.schedule)
@@ -169,7 +172,13 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         step = trace_step(self.fn, args, self.__name__)
         if step is not None:
             return self._build_step(args, step, devices)
-        if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
+        if has_objects(args):
+            raise OptionsError(f"{self.__name__} is called with nnx objects but computes no gradient; a loss function "
+                               f"cut by mark_pipeline_boundary takes arrays, f(params, x, targets) with one params "
+                               f"entry per layer: pass nnx.state(...) of each layer, or write a whole train step "
+                               f"that takes its gradient with nnx.value_and_grad")
+        dynamic = dynamic_slots(args)
+        if len(dynamic) != 3 or not isinstance(dynamic[0], (list, tuple)) or not dynamic[0]:
             raise OptionsError(
                 f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call while tracing) and "
                 f"is not a loss function called as f(params, x, targets) with one params entry per layer; "
@@ -179,10 +188,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         if self.method.layers != "auto":
             raise OptionsError(f"PipeshardParallel(layers={self.method.layers!r}) cuts a whole train step's loss; "
                                f"{self.__name__} is a loss function, whose layers are its params entries: drop layers")
-        params, x, targets = args
+        params, x, targets = dynamic
         micro_x, micro_t = (_micro_example(t, name, self.method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
-        layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
+        layer_fns = split_into_stages(with_fixed_slots(self.fn, args), list(params), micro_x, micro_t)
         return self._pipelined(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, devices)
 
     def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
@@ -383,6 +392,14 @@ def _mean_of(values: list[Any]) -> Any:
 def _joined(values: list[Any], dim: int | None) -> Any:
     """One aux value from its micro-batches' (see `_aux_rules`)."""
     return _mean_of(values) if dim is None else jnp.concatenate(values, axis=dim)
+
+
+def _scalars_together(results: Any, mesh: Mesh) -> Any:
+    """`results` with every scalar array on `mesh` (the last stage's, where the loss is): a step's
+    metrics are updated on several stages (an nnx metric's total where the loss is, its count
+    elsewhere), and code that combines them eagerly (`metrics.compute()`) needs them on one."""
+    return jax.tree_util.tree_map(lambda v: on_mesh(v, mesh) if isinstance(v, jax.Array) and v.ndim == 0 else v,
+                                  results)
 
 
 def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:

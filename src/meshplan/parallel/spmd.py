@@ -24,6 +24,7 @@ from meshplan.errors import InfeasiblePlanError, OptionsError
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
+from meshplan.parallel.call import CallForm
 from meshplan.parallel.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
 from meshplan.parallel.methods import SpmdMethod
@@ -56,13 +57,14 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
     donated, and the originals stay valid.
     """
 
-    def __init__(self, fn: Callable[..., Any], method: SpmdMethod, devices: Sequence[Any] | None,
+    def __init__(self, fn: Callable[..., Any] | CallForm, method: SpmdMethod, devices: Sequence[Any] | None,
                  batch_argnums: tuple[int, ...] | None, donate_argnums: tuple[int, ...] | str = (),
                  costs: DeviceCosts | None = None) -> None:
+        """`batch_argnums` and `donate_argnums` are slot indices (CallForm.slot)."""
         super().__init__(fn, method, devices, costs)
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
 
-    def __call__(self, *args: Any) -> Any:
+    def _run(self, args: tuple[Any, ...]) -> Any:
         compiled = self._compiled(args)
         if compiled.donation.pairs:
             args = _copy_misplaced_donations(args, compiled)

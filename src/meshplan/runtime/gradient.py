@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
 from meshplan.errors import OptionsError
@@ -155,11 +155,16 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
         return jax_own()  # not a scalar float loss
     owners = [n for n, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
     consts = list(closed.consts)
-    loss = ClosedJaxpr(_consts_as_inputs(closed.jaxpr), ())
+    operands = [*consts, *leaves]
+    jaxpr = _consts_as_inputs(closed.jaxpr)
+    passed = _passed_through(jaxpr)
+    loss = ClosedJaxpr(jaxpr.replace(outvars=[v for j, v in enumerate(jaxpr.outvars) if j not in passed]), ())
     differentiated = (False,) * len(consts) + tuple(n in nums for n in owners)
-    value, *rest = gradient_p.bind(*consts, *leaves, loss=loss, differentiated=differentiated)
-    num_aux = len(closed.out_avals) - 1
-    aux, grads = rest[:num_aux], rest[num_aux:]
+    value, *rest = gradient_p.bind(*operands, loss=loss, differentiated=differentiated)
+    num_aux = len(closed.out_avals) - 1 - len(passed)
+    computed = iter(rest[:num_aux])
+    aux = [operands[passed[j]] if j in passed else next(computed) for j in range(1, len(closed.out_avals))]
+    grads = rest[num_aux:]
     if has_aux:
         value = (value, jax.tree_util.tree_unflatten(aux_tree, aux))
     per_arg: list[list[Any]] = [[] for _ in args]
@@ -170,6 +175,15 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
     if with_value:
         return value, grad
     return (grad, value[1]) if has_aux else grad
+
+
+def _passed_through(jaxpr: Any) -> dict[int, int]:
+    """Aux results (result index >= 1) that are inputs of the loss as they came in -> the input's
+    position. nnx.value_and_grad returns its objects' whole state as aux values: they are the step's
+    own values, left out of the loss so that a pipeline need not carry weights to its last stage."""
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    return {j: position[v] for j, v in enumerate(jaxpr.outvars)
+            if j >= 1 and not isinstance(v, Literal) and v in position}
 
 
 def _consts_as_inputs(jaxpr: Any) -> Any:
