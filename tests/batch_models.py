@@ -171,7 +171,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.zeros((features,)))
 
     def __call__(self, x):
-        return x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + 1e-6) * (1 + self.scale.value)
+        return x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + 1e-6) * (1 + self.scale[...])
 
 
 class Attention(nnx.Module):

@@ -18,9 +18,9 @@ import pytest
 
 from meshplan import OptionsError
 from meshplan.capture import UnprovenBatchWarning, capture, find_batch_inputs, infer_batch_inputs
-from meshplan.ir import OpKind
+from meshplan.ir import GraphBuilder, OpKind
 from meshplan.ir.dimflow import trace_dims
-from meshplan.ir.independence import find_mixing
+from meshplan.ir.independence import Mixing, find_mixing
 from meshplan.parallel import DataParallel, PipeshardParallel, parallelize
 from meshplan.runtime import mark_pipeline_boundary
 
@@ -75,6 +75,21 @@ def test_a_loss_normalised_by_a_count_over_the_batch_only_scales_it():
 ])
 def test_ops_that_mix_positions_along_the_dim_are_named(name, fn, why):
     assert re.search(why, mixing(fn, X, W, dims={0: 0})), name
+
+
+def test_the_proof_reads_graphs_alone():
+    """No JAX: a per-example layer and a mean keep the rows apart; a Gram matrix pairs them."""
+    b = GraphBuilder("rows")
+    x, w = b.parameter((8, 16), name="x"), b.parameter((16, 4), name="w")
+    loss = b.reduce(b.unary("tanh", b.dot(x, w, (1,), (0,))), (0, 1))
+    gram = b.reduce(b.dot(x, x, (1,), (1,)), (0, 1))
+    b.outputs(loss, gram)
+    graph = b.build()
+    assert find_mixing(graph, [(x, 0)]) == Mixing(gram - 1, "holds it on dims 0 and 1")
+    b = GraphBuilder("mean")
+    x, w = b.parameter((8, 16), name="x"), b.parameter((16, 4), name="w")
+    b.outputs(b.reduce(b.unary("tanh", b.dot(x, w, (1,), (0,))), (0, 1)))
+    assert find_mixing(b.build(), [(x, 0)]) is None
 
 
 def test_a_leaf_holding_the_dims_twice_mixes_them():

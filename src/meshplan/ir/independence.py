@@ -24,7 +24,7 @@ that carries the sources. Mixing is:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from meshplan.ir.dimflow import reshape_groups
@@ -114,53 +114,44 @@ def _carry(graph: Graph, node: Node, fed: list[tuple[int, int]],
 
 def _follow(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
     """Where dim `dim` of operand `position` goes in `node`: an output dim, _SUM, or why it mixes."""
-    kind, operand = node.kind, graph[node.operands[position]]
-    if kind in (OpKind.ELEMENTWISE, OpKind.TRANSPOSE, OpKind.BROADCAST):
-        return dim if kind is OpKind.ELEMENTWISE else (
-            node.attr("perm").index(dim) if kind is OpKind.TRANSPOSE else node.attr("dims")[dim])
-    if kind in _MOVES_ALONG and node.attr("dim") == dim:
-        return _MOVES_ALONG[kind]
-    if kind in (OpKind.SLICE, OpKind.DYNAMIC_SLICE, OpKind.DYNAMIC_UPDATE_SLICE, OpKind.CONCATENATE,
-                OpKind.CUMULATIVE, OpKind.SORT):
-        return _same_positions(graph, node, operand, dim)
-    if kind is OpKind.REDUCE and dim in node.attr("dims"):
-        return _SUM if node.op == "sum" else f"takes the {node.op} over it"
-    if kind is OpKind.REDUCE:
-        return dim - sum(d < dim for d in node.attr("dims"))
-    if kind is OpKind.DOT:
-        return _dot(graph, node, position, dim)
-    if kind is OpKind.RESHAPE:
-        return _reshaped(operand.shape, node.shape, dim, extent)
-    if kind is OpKind.GATHER:
-        return _gathered(graph, node, position, dim)
-    if kind is OpKind.SCATTER_ADD:
-        return _scattered(graph, node, position, dim)
-    if kind in (OpKind.ARG_REDUCE, OpKind.TOP_K):
-        return _ordered(node, operand, dim)
-    return _OPAQUE
+    rule = _RULES.get(node.kind)
+    return _OPAQUE if rule is None else rule(graph, node, position, dim, extent)
 
 
-def _ordered(node: Node, operand: Node, dim: int) -> int | str:
-    """argmax/argmin drop their dim, top_k shortens its (the last unless given); others stay."""
-    along = node.attr("dim")
-    along = operand.rank - 1 if along is None else along
-    if along == dim:
-        return f"takes the {node.op} along it"
-    return dim - (along < dim) if node.kind is OpKind.ARG_REDUCE else dim
-
-
-def _same_positions(graph: Graph, node: Node, operand: Node, dim: int) -> int | str:
-    """Slices, window reads and writes, concatenations along other dims: the dim keeps its
-    positions when the op leaves its extent whole."""
-    if operand.rank != node.rank:
-        return _OPAQUE
-    if operand.shape[dim] != node.shape[dim]:
-        verb = "writes a window along it" if node.kind is OpKind.DYNAMIC_UPDATE_SLICE else "keeps part of it"
-        return verb
+def _elementwise(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
     return dim
 
 
-def _dot(graph: Graph, node: Node, position: int, dim: int) -> int | str:
+def _transposed(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    return node.attr("perm").index(dim)
+
+
+def _broadcast(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    return node.attr("dims")[dim]
+
+
+def _reduced(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    dims = node.attr("dims")
+    if dim in dims:
+        return _SUM if node.op == "sum" else f"takes the {node.op} over it"
+    return dim - sum(d < dim for d in dims)
+
+
+def _same_positions(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    """Slices, window reads and writes, concatenations, cumulative ops and sorts along other dims:
+    the dim keeps its positions when the op leaves its extent whole."""
+    operand = graph[node.operands[position]]
+    if node.kind in _MOVES_ALONG and node.attr("dim") == dim:
+        return _MOVES_ALONG[node.kind]
+    if operand.rank != node.rank:
+        return _OPAQUE
+    if operand.shape[dim] != node.shape[dim]:
+        return "writes a window along it" if node.kind is OpKind.DYNAMIC_UPDATE_SLICE else "keeps part of it"
+    return dim
+
+
+def _dot(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    """Contracted dims are summed; output dims are batch dims, then lhs free dims, then rhs free dims."""
     side = "lhs" if position == 0 else "rhs"
     batch, contracting = node.attr(f"{side}_batch"), node.attr(f"{side}_contracting")
     if dim in contracting:
@@ -175,9 +166,10 @@ def _dot(graph: Graph, node: Node, position: int, dim: int) -> int | str:
     return offset + free.index(dim)
 
 
-def _reshaped(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, extent: int) -> int | str:
+def _reshaped(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
     """A reshape keeps the positions when the dim is the major part of its group and the group's
     first output dim holds all of them (its size a multiple of `extent`)."""
+    in_shape, out_shape = graph[node.operands[position]].shape, node.shape
     for in_dims, out_dims in reshape_groups(in_shape, out_shape):
         if dim not in in_dims:
             continue
@@ -191,7 +183,7 @@ def _reshaped(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, exten
     return _OPAQUE
 
 
-def _gathered(graph: Graph, node: Node, position: int, dim: int) -> int | str:
+def _gathered(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
     """gather's output is operand[:axis] + indices[batch_dims:] + operand[axis + 1:]."""
     axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
     if position == 1:
@@ -202,7 +194,7 @@ def _gathered(graph: Graph, node: Node, position: int, dim: int) -> int | str:
     return dim if dim < axis else dim + picked - 1
 
 
-def _scattered(graph: Graph, node: Node, position: int, dim: int) -> int | str:
+def _scattered(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
     """scatter_add(indices, updates): updates along picked index dims are summed into rows."""
     axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
     picked = graph[node.operands[0]].rank - batch_dims
@@ -211,6 +203,25 @@ def _scattered(graph: Graph, node: Node, position: int, dim: int) -> int | str:
     if dim < axis:
         return dim
     return _SUM if dim < axis + picked else dim - picked + 1
+
+
+def _ordered(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    """argmax/argmin drop their dim, top_k shortens its (the last unless given); others stay."""
+    along = node.attr("dim")
+    along = graph[node.operands[position]].rank - 1 if along is None else along
+    if along == dim:
+        return f"takes the {node.op} along it"
+    return dim - (along < dim) if node.kind is OpKind.ARG_REDUCE else dim
+
+
+# Per op kind: where a carried dim goes (kinds without a rule, opaque and random ops, mix it).
+_RULES: dict[OpKind, Callable[[Graph, Node, int, int, int], int | str]] = {
+    OpKind.ELEMENTWISE: _elementwise, OpKind.TRANSPOSE: _transposed, OpKind.BROADCAST: _broadcast,
+    OpKind.REDUCE: _reduced, OpKind.DOT: _dot, OpKind.RESHAPE: _reshaped, OpKind.GATHER: _gathered,
+    OpKind.SCATTER_ADD: _scattered, OpKind.ARG_REDUCE: _ordered, OpKind.TOP_K: _ordered,
+    **dict.fromkeys((OpKind.SLICE, OpKind.DYNAMIC_SLICE, OpKind.DYNAMIC_UPDATE_SLICE, OpKind.CONCATENATE,
+                     OpKind.CUMULATIVE, OpKind.SORT), _same_positions),
+}
 
 
 def _taint(node: Node, marks: list[_Taint]) -> _Taint:
