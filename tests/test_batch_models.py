@@ -1,7 +1,7 @@
 """The batch found right on models whose positions carry meaning, with their authors' train steps.
 
 Rotary and sinusoidal position models (HF Mistral, an lm1b-style linen decoder, a gemma-style nnx
-model) used to have their sequence dim taken for the batch (it reaches more values: both dims of
+model) could have their sequence dim taken for the batch (it can reach more values: both dims of
 every attention score). Now the batch is the proved-independent dim on every model here, and:
 DataParallel splits Mistral's batch; whole-step PipeshardParallel cuts Mistral's micro-batches
 along it and trains like one device (loss within 1e-5 absolute, parameters within 1e-4 mean
@@ -71,7 +71,8 @@ def test_the_batch_is_the_dim_proved_to_hold_independent_examples(name):
     assert [c.graph[c.input_nodes[i]].name for i, _ in found.dims] == leaves
     assert {d for _, d in found.dims} == {0} and found.inferred and found.independent
     text = found.explain(c)
-    assert text.startswith(f"{leaves[0]} ") and ", inferred: proved independent: nothing mixes positions along it" in text
+    assert text.startswith(f"{leaves[0]} ")
+    assert ", inferred: proved independent: nothing mixes positions along it" in text
     if attention:  # the sequence family reaches more values, and is passed over with the attention scores named
         assert f"other candidates: {leaves[0]} i32[" in text and "(dim 1)" in text
         assert "holds it on dims" in text.split("other candidates: ")[1].split(";")[0]

@@ -84,11 +84,10 @@ class BatchInputs:
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """Input dims that meet in some value, the (node, dim) pairs they reach, and where they mix."""
+    """Input dims that meet in some value, and the (node, dim) pairs they reach."""
 
     members: tuple[tuple[int, int], ...]
     reached: frozenset[tuple[int, int]]
-    mixing: str | None  # None: proved independent
     feeds_results: bool  # some result depends on a member (an unused key is trivially independent, no batch)
 
     def rank(self) -> tuple[int, list[int], list[int]]:
@@ -135,24 +134,28 @@ def infer_batch_inputs(captured: Captured) -> BatchInputs:
     candidates = [(i, d) for i in range(len(captured.input_nodes)) if i not in state
                   for d in range(_rank(captured, i)) if _shape(captured, i)[d] > 1]
     read = _outputs_read(captured)
-    families = [_Family(tuple(members), frozenset(reached), _mixing(captured, members),
-                        any(read >> i & 1 for i, _ in members))
-                for members, reached in _families(captured.graph, captured.input_nodes, candidates)
-                if not any(node in updates for node, _ in reached)]
+    families = sorted((_Family(tuple(members), frozenset(reached), any(read >> i & 1 for i, _ in members))
+                       for members, reached in _families(captured.graph, captured.input_nodes, candidates)
+                       if not any(node in updates for node, _ in reached)), key=_Family.rank, reverse=True)
     if not families:
         return BatchInputs((), (), inferred=True, reason="no input dim is a candidate: every input with a dim "
                                                          "comes back updated, or has only size-1 dims")
-    proved = [f for f in families if f.mixing is None and f.feeds_results]
-    best = max(proved or families, key=_Family.rank)
+    mixings: dict[int, str | None] = {}  # family -> where it mixes; checked widest first until one is proved
+    chosen = next((k for k, f in enumerate(families)
+                   if mixings.setdefault(k, _mixing(captured, f.members)) is None and f.feeds_results), None)
+    proved = chosen is not None
+    chosen = chosen if proved else 0
+    best = families[chosen]
     dims: dict[int, int] = {}
     for i, d in best.members:
         dims.setdefault(i, d)  # a leaf with two dims in the family (x @ x.T) keeps the lower one
     argnums = tuple(sorted({_argnum(captured, i) for i in dims}))
-    others = tuple(_other_text(captured, f, best) for f in sorted(families, key=_Family.rank, reverse=True)
-                   if f is not best)[:_MAX_OTHERS]
-    reason = _PROVED if proved else (f"{_verdict(best.mixing or 'no result depends on it')}; taken as the "
+    listed = [k for k in range(len(families)) if k != chosen][:_MAX_OTHERS]
+    others = tuple(_other_text(captured, families[k], _checked(mixings, k, captured, families[k]), best)
+                   for k in listed)
+    reason = _PROVED if proved else (f"{_verdict(mixings[0] or 'no result depends on it')}; taken as the "
                                      f"candidate reaching the most values")
-    return BatchInputs(tuple(sorted(dims.items())), argnums, inferred=True, independent=bool(proved),
+    return BatchInputs(tuple(sorted(dims.items())), argnums, inferred=True, independent=proved,
                        reason=reason, others=others)
 
 
@@ -200,11 +203,20 @@ def _verdict(mixing: str | None) -> str:
     return _PROVED if mixing is None else f"not proved independent: {mixing}"
 
 
-def _other_text(captured: Captured, family: _Family, best: _Family) -> str:
+def _checked(mixings: dict[int, str | None], k: int, captured: Captured, family: _Family) -> str | None:
+    """Where family `k` mixes, checked now if it was not yet."""
+    if k not in mixings:
+        mixings[k] = _mixing(captured, family.members)
+    return mixings[k]
+
+
+def _other_text(captured: Captured, family: _Family, mixing: str | None, best: _Family) -> str:
+    """Why `family` is not the batch: where it mixes, that nothing depends on it, or that it
+    reaches fewer values."""
     count = len(family.reached)
     what = f"{_members_text(captured, family.members, most=3)} reaches {count} value{'s' * (count != 1)}"
-    if family.mixing is not None:
-        return f"{what}, but {family.mixing}"
+    if mixing is not None:
+        return f"{what}, but {mixing}"
     if not family.feeds_results:
         return f"{what}, but no result depends on it"
     return f"{what}, fewer than the batch's {len(best.reached)}"
