@@ -109,11 +109,15 @@ class Lm1bDecoder(nn.Module):
     max_len: int = 32
 
     @nn.compact
-    def __call__(self, inputs, train=False):
+    def __call__(self, inputs, inputs_positions=None, inputs_segmentation=None, train=False):
+        """Packed examples (several per row) give their positions and segment ids."""
         mask = nn.combine_masks(nn.make_attention_mask(inputs > 0, inputs > 0), nn.make_causal_mask(inputs))
+        if inputs_segmentation is not None:
+            mask = nn.combine_masks(mask, nn.make_attention_mask(inputs_segmentation, inputs_segmentation, jnp.equal))
         embed = nn.Embed(self.vocab, self.features)
         y = embed(shift_right(inputs))
-        y = y + sinusoidal_table(self.max_len, self.features)[:, :inputs.shape[1]]
+        table = sinusoidal_table(self.max_len, self.features)
+        y = y + (table[:, :inputs.shape[1]] if inputs_positions is None else table[0][inputs_positions])
         for _ in range(self.layers):
             y = DecoderBlock(self.heads, self.mlp_dim)(y, mask, not train)
         return embed.attend(nn.LayerNorm()(y))  # the output projection shares the embedding
@@ -132,26 +136,32 @@ def lm_metrics(logits, targets, weights):
 
 
 def lm1b_program(optimizer, batch=4, length=8):
-    """(step, state, batch, dropout_rng): the step of Flax's lm1b example, at a fixed learning rate."""
+    """(step, state, batch, dropout_rng): the step of Flax's lm1b example, at a fixed learning rate, on
+    packed examples (two per row, padded at the end), as its input pipeline makes them."""
     model = Lm1bDecoder()
-    inputs = jax.random.randint(jax.random.key(5), (batch, length), 1, VOCAB).at[:, -2:].set(0)  # padded ends
+    inputs = jax.random.randint(jax.random.key(5), (batch, length), 1, VOCAB).at[:, -2:].set(0)
+    half = length // 2
+    positions = jnp.tile(jnp.concatenate([jnp.arange(half), jnp.arange(length - half)]), (batch, 1))
+    segments = jnp.tile(jnp.repeat(jnp.array([1, 2]), jnp.array([half, length - half])), (batch, 1))
+    data = {"inputs": inputs, "inputs_position": positions, "inputs_segmentation": segments * (inputs > 0)}
     params = model.init(jax.random.key(0), inputs)["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
 
     def train_step(state, batch, dropout_rng):
-        inputs = batch["inputs"]
+        inputs, positions, segments = (batch.get(k) for k in ("inputs", "inputs_position", "inputs_segmentation"))
         weights = jnp.where(inputs > 0, 1, 0).astype(jnp.float32)
         dropout_rng = jax.random.fold_in(dropout_rng, state.step)
 
         def loss_fn(params):
-            logits = model.apply({"params": params}, inputs, train=True, rngs={"dropout": dropout_rng})
+            logits = model.apply({"params": params}, inputs, inputs_positions=positions,
+                                 inputs_segmentation=segments, train=True, rngs={"dropout": dropout_rng})
             loss, weight_sum = weighted_cross_entropy(logits, inputs, weights)
             return loss / weight_sum, logits
 
         (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), lm_metrics(logits, inputs, weights)
 
-    return train_step, state, {"inputs": inputs}, jax.random.PRNGKey(1)
+    return train_step, state, data, jax.random.PRNGKey(1)
 
 
 # --- Flax gemma: an nnx model with rotary embeddings ---------------------------------------------------
