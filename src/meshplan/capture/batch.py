@@ -140,9 +140,7 @@ def infer_batch_inputs(captured: Captured) -> BatchInputs:
     if not families:
         return BatchInputs((), (), inferred=True, reason="no input dim is a candidate: every input with a dim "
                                                          "comes back updated, or has only size-1 dims")
-    mixings: dict[int, str | None] = {}  # family -> where it mixes; checked widest first until one is proved
-    chosen = next((k for k, f in enumerate(families)
-                   if mixings.setdefault(k, _mixing(captured, f.members)) is None and f.feeds_results), None)
+    chosen, mixings = _first_proved(captured, families)
     proved = chosen is not None
     chosen = chosen if proved else 0
     best = families[chosen]
@@ -190,6 +188,17 @@ def check_micro_batchable(batch: BatchInputs, captured: Captured, fn_name: str, 
         f"independent, and {batch.describe(captured)} ({how}) is not: {batch.reason}. Micro-batches along it "
         f"would change what the step computes. To fix it, {choose}use PipeshardParallel(num_micro_batches=1), or a "
         f"method that splits the batch without cutting it (DataParallel, Zero2Parallel, Zero3Parallel)")
+
+
+def _first_proved(captured: Captured, families: list[_Family]) -> tuple[int | None, dict[int, str | None]]:
+    """The first family (widest first) proved independent that some result depends on, or None;
+    and where each family checked on the way mixes."""
+    mixings: dict[int, str | None] = {}
+    for k, family in enumerate(families):
+        mixings[k] = _mixing(captured, family.members)
+        if mixings[k] is None and family.feeds_results:
+            return k, mixings
+    return None, mixings
 
 
 def _mixing(captured: Captured, members: Sequence[tuple[int, int]]) -> str | None:
