@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from meshplan.capture import capture, find_batch_inputs
+from meshplan.capture import capture, check_micro_batchable, find_batch_inputs, given_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
@@ -120,6 +120,11 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         """
         return super().get_plan()
 
+    def describe_batch(self) -> str:
+        """What the last call cut into micro-batches, along which dim and why, e.g. "args[1]['x'] f32[64, 16]
+        (dim 0), inferred: proved independent: ..."."""
+        return self.get_plan().option("batch", "none")
+
     @property
     def last_events(self) -> tuple[Event, ...]:
         """The steps of the last call, in dispatch order."""
@@ -191,13 +196,16 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         params, x, targets = dynamic
         micro_x, micro_t = (_micro_example(t, name, self.method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
-        layer_fns = split_into_stages(with_fixed_slots(self.fn, args), list(params), micro_x, micro_t)
-        return self._pipelined(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, devices)
+        loss_fn = with_fixed_slots(self.fn, args)
+        batch = self._loss_batch(loss_fn, dynamic)
+        layer_fns = split_into_stages(loss_fn, list(params), micro_x, micro_t)
+        return _with_batch_record(self._pipelined(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t,
+                                                  devices), batch)
 
     def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
         """Cut the step's loss into layers at micro-batch shapes, pipeline them, place the update."""
         leaves, tree = jax.tree_util.tree_flatten(args)
-        batch = self._batch_dims(args, leaves)
+        batch, batch_text = self._batch_dims(args, leaves)
         count = self.method.num_micro_batches
         micro_leaves = [_micro_shape(leaf, batch.get(i), count) for i, leaf in enumerate(leaves)]
         micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), self.__name__)
@@ -209,6 +217,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         rows = min(np.shape(micro_leaves[i])[d] for i, d in batch.items())
         parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices,
                                                    has_aux=bool(aux_rules), micro_rows=rows), layers)
+        parts = _with_batch_record(parts, batch_text)
         owners = _weight_stages(loss, layers, parts.stages)
         update = _update_runner(step, owners, len(aux_rules), parts.pipeline.stage_meshes)
         return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
@@ -225,10 +234,12 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         count = method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
         return loss, split_loss(loss.closed, loss.weights, None if marks else count)
 
-    def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
-        """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
+    def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> tuple[dict[int, int], str]:
+        """Flat step input -> batch dim, given by batch_argnums or inferred, and why (BatchInputs.explain);
+        checked to hold independent examples (check_micro_batchable) and to cut evenly."""
         count = self.method.num_micro_batches
-        batch = find_batch_inputs(capture(self.fn, *args, name=self.__name__), self.batch_argnums, self.__name__)
+        captured = capture(self.fn, *args, name=self.__name__)
+        batch = find_batch_inputs(captured, self.batch_argnums, self.__name__)
         if not batch.dims:
             raise OptionsError(f"PipeshardParallel cuts the batch of {self.__name__} into micro-batches, but no input "
                                f"looks like a batch (all are updated by the step, or hold no array); pass "
@@ -239,7 +250,16 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                 raise OptionsError(f"{self.__name__}'s batch input {i} (shape {np.shape(leaves[i])}) has {size} "
                                    f"examples along dim {d}, which do not split into {count} equal micro-batches; "
                                    f"use a PipeshardParallel(num_micro_batches=...) that divides {size}")
-        return dict(batch.dims)
+        check_micro_batchable(batch, captured, self.__name__, count)
+        return dict(batch.dims), batch.explain(captured)
+
+    def _loss_batch(self, loss_fn: Any, args: tuple[Any, ...]) -> str:
+        """Why a loss function f(params, x, targets) may be cut into micro-batches along dim 0 of x
+        and targets (BatchInputs.explain); checked by check_micro_batchable."""
+        captured, how = capture(loss_fn, *args, name=self.__name__), "x and targets of a loss function"
+        batch = given_batch_inputs(captured, (1, 2))
+        check_micro_batchable(batch, captured, self.__name__, self.method.num_micro_batches, how)
+        return batch.explain(captured, how)
 
     def _run_step(self, compiled: _StepCompiled, args: tuple[Any, ...]) -> Any:
         parts, loss, layers = compiled.parts, compiled.loss, compiled.layers
@@ -337,6 +357,11 @@ def _with_layer_record(parts: _Compiled, layers: LossLayers) -> _Compiled:
     return replace(parts, plan=replace(
         plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
         metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
+
+
+def _with_batch_record(parts: _Compiled, batch: str) -> _Compiled:
+    """`parts` whose Plan also says what was cut into micro-batches and why (option "batch")."""
+    return replace(parts, plan=replace(parts.plan, options=(*parts.plan.options, ("batch", batch))))
 
 
 def _weight_stages(loss: LossProgram, layers: LossLayers,
