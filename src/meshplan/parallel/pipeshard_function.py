@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import AxisType, Mesh
 
 from meshplan.capture import capture, find_batch_inputs
@@ -45,6 +46,7 @@ from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
+from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
 from meshplan.runtime.pipeline import Pipeline, run_micro_batches, run_pipeline
 from meshplan.runtime.sharded import axis_names
 from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
@@ -68,11 +70,12 @@ class _StepCompiled:
     parts: _Compiled  # the pipelined loss
     step: TracedStep  # at full-batch shapes
     loss: LossProgram  # at micro-batch shapes
+    program: MicroProgram  # the loss each micro-batch runs, and how its results add up
     layers: LossLayers
     batch: dict[int, int]  # flat step input -> its batch dim
     owners: dict[int, tuple[int, ...]]  # differentiated step input -> the stages whose layers read it
     update: UpdateRunner
-    aux_rules: tuple[int | None, ...]  # per aux value: the dim its micro-batches are joined along; None: mean
+    statistics: Callable[..., Any] | None  # the program's full-batch statistics from the step's inputs
 
 
 class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
@@ -193,28 +196,37 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         micro_leaves = [_micro_shape(leaf, batch.get(i), count) for i, leaf in enumerate(leaves)]
         micro = trace_step(self.fn, jax.tree_util.tree_unflatten(tree, micro_leaves), self.__name__)
         same_gradient(step, micro, self.__name__)
-        loss, layers = self._cut_loss(micro, len(devices))
+        loss, program, layers = self._cut_loss(step, micro, len(devices))
         layer_params = [tuple(micro_leaves[loss.inputs[p]] for p in weights) for weights in layers.weights]
-        micro_x = tuple(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights)
-        aux_rules = _aux_rules(step, micro, count, self.__name__)
+        micro_x = (*(micro_leaves[loss.inputs[p]] for p in range(len(loss.inputs)) if p not in loss.weights),
+                   *_extra_inputs(program))
         rows = min(np.shape(micro_leaves[i])[d] for i, d in batch.items())
         parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices,
-                                                   has_aux=bool(aux_rules), micro_rows=rows), layers)
+                                                   has_aux=len(program.rules) > 1, micro_rows=rows), layers)
         owners = _weight_stages(loss, layers, parts.stages)
-        update = _update_runner(step, owners, len(aux_rules), parts.pipeline.stage_meshes)
-        return _StepCompiled(parts, step, loss, layers, batch, owners, update, aux_rules)
+        update = _update_runner(step, owners, len(program.rules) - 1, parts.pipeline.stage_meshes)
+        statistics = None if program.statistics is None else jax.jit(jaxpr_as_fun(program.statistics))
+        return _StepCompiled(parts, step, loss, program, layers, batch, owners, update, statistics)
 
-    def _cut_loss(self, micro: TracedStep, num_devices: int) -> tuple[LossProgram, LossLayers]:
-        """The loss program of the micro-batch trace, cut at its marks or into `layers` by FLOPs."""
+    def _cut_loss(self, full: TracedStep, micro: TracedStep,
+                  num_devices: int) -> tuple[LossProgram, MicroProgram, LossLayers]:
+        """The loss of the micro-batch trace (step input positions), the program each micro-batch
+        runs for it (exact against the full batch's loss, meshplan.runtime.micro_batching), cut at
+        its marks or into `layers` by FLOPs."""
         method, name = self.method, self.__name__
-        loss = loss_program(micro, name)
-        marks = count_marks(loss.closed)
+        whole, loss = loss_program(full, name), loss_program(micro, name)
+        if (whole.inputs, whole.weights) != (loss.inputs, loss.weights):
+            raise OptionsError(f"{name}'s loss reads other step inputs when its batch is cut into micro-batches; "
+                               f"PipeshardParallel needs a step whose structure does not depend on the batch size")
+        program = micro_batch_program(whole.closed, loss.closed, loss.weights, method.num_micro_batches,
+                                      f"{name}'s loss")
+        marks = count_marks(program.closed)
         if marks and method.layers not in ("auto", marks + 1):
             raise OptionsError(f"{name}'s loss marks {marks + 1} layers with mark_pipeline_boundary but "
                                f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
                                f"or remove the marks to cut into {method.layers} layers by FLOPs")
         count = method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
-        return loss, split_loss(loss.closed, loss.weights, None if marks else count)
+        return loss, program, split_loss(program.closed, loss.weights, None if marks else count)
 
     def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
         """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
@@ -237,10 +249,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         leaves = jax.tree_util.tree_leaves(args)
         per_stage = [tuple(tuple(leaves[loss.inputs[p]] for p in layers.weights[k])
                            for k in range(s.first, s.last + 1)) for s in parts.stages]
-        count = self.method.num_micro_batches
+        count, program = self.method.num_micro_batches, compiled.program
         rest = [loss.inputs[p] for p in range(len(loss.inputs)) if p not in loss.weights]
-        inputs = [tuple(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest) for m in range(count)]
-        result = run_micro_batches(parts.pipeline, per_stage, inputs, [()] * count, self.method.schedule)
+        last = parts.pipeline.stage_meshes[-1]
+        stats = () if compiled.statistics is None else tuple(compiled.statistics(
+            *(on_mesh(leaves[loss.inputs[p]], last) for p in program.statistic_inputs)))
+        inputs = [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
+                   *((np.int32(m),) if program.indexed else ())) for m in range(count)]
+        result = run_micro_batches(parts.pipeline, per_stage, inputs, [()] * count, self.method.schedule, loss="sum")
         self._events = result.events
         contributions: dict[int, list[Any]] = {}
         for j, s in enumerate(parts.stages):
@@ -251,9 +267,9 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         gradient = jaxpr.eqns[compiled.step.gradient.index]
         env = dict(zip(jaxpr.invars, leaves, strict=True))
         env[gradient.outvars[0]] = result.loss
-        num_aux = len(compiled.aux_rules)
-        for j, dim in enumerate(compiled.aux_rules):
-            env[gradient.outvars[1 + j]] = _joined([aux[j] for aux in result.aux], dim)
+        num_aux = len(program.rules) - 1
+        for j, rule in enumerate(program.rules[1:]):
+            env[gradient.outvars[1 + j]] = _rebuilt([aux[j] for aux in result.aux], rule)
         for j, leaf in enumerate(compiled.step.differentiated):
             got = contributions.get(leaf)
             env[gradient.outvars[1 + num_aux + j]] = summed(got) if got else on_mesh(
@@ -354,35 +370,23 @@ def _update_runner(step: TracedStep, owners: dict[int, tuple[int, ...]], num_aux
     return UpdateRunner(step, update_pieces(step, homes), meshes)
 
 
-def _aux_rules(full: TracedStep, micro: TracedStep, count: int, name: str) -> tuple[int | None, ...]:
-    """How each aux value of the loss is rebuilt from its micro-batches: joined along the dim
-    that is `count` times longer at full-batch shapes, or, for a float value of the same shape
-    (a mean, an accuracy), averaged like the loss."""
-    rules = []
-    for j, (whole, part) in enumerate(zip(full.gradient.loss.out_avals[1:], micro.gradient.loss.out_avals[1:],
-                                          strict=True)):
-        grown = [d for d, (a, b) in enumerate(zip(whole.shape, part.shape, strict=True)) if a != b]
-        if len(grown) == 1 and whole.shape[grown[0]] == count * part.shape[grown[0]]:
-            rules.append(grown[0])
-        elif not grown and jnp.issubdtype(whole.dtype, jnp.inexact):
-            rules.append(None)
-        else:
-            raise OptionsError(
-                f"{name}'s loss returns aux value {j} ({whole.str_short()}; {part.str_short()} per micro-batch), "
-                f"which meshplan cannot rebuild from micro-batches: it joins values that carry the batch along "
-                f"one dim and averages float values that do not (as it averages the loss); return e.g. a float "
-                f"mean instead of an integer count")
-    return tuple(rules)
+def _extra_inputs(program: MicroProgram) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The inputs each micro-batch's loss takes after the step's: the statistics, the micro-batch index."""
+    stats = () if program.statistics is None else tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.statistics.out_avals)
+    return (*stats, *((jax.ShapeDtypeStruct((), jnp.int32),) if program.indexed else ()))
 
 
 @jax.jit
-def _mean_of(values: list[Any]) -> Any:
-    return sum(values) / len(values)
+def _sum_of(values: list[Any]) -> Any:
+    return sum(values[1:], values[0])
 
 
-def _joined(values: list[Any], dim: int | None) -> Any:
-    """One aux value from its micro-batches' (see `_aux_rules`)."""
-    return _mean_of(values) if dim is None else jnp.concatenate(values, axis=dim)
+def _rebuilt(values: list[Any], rule: Rule) -> Any:
+    """One result from its micro-batches' values (see micro_batching.Rule)."""
+    if rule.how == "sum":
+        return _sum_of(values)
+    return jnp.concatenate(values, axis=rule.dim) if rule.how == "join" else values[0]
 
 
 def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:

@@ -137,7 +137,7 @@ def loss_program(step: TracedStep, name: str) -> LossProgram:
     prelude = _ancestors(jaxpr, step.gradient.index)
     weights = {jaxpr.invars[i] for i in step.differentiated}
     for i in prelude:
-        read_weights = [v for v in jaxpr.eqns[i].invars if v in weights]
+        read_weights = [v for v in jaxpr.eqns[i].invars if not isinstance(v, Literal) and v in weights]
         if read_weights:
             raise OptionsError(f"{name} computes `{jaxpr.eqns[i].primitive.name}` of a weight it differentiates "
                                f"before taking the gradient and passes the result to the loss; JAX does not "

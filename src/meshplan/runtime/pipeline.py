@@ -289,27 +289,40 @@ def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any
 
 
 def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], inputs: Sequence[Any],
-                      targets: Sequence[Any], schedule: str = "1f1b") -> PipelineResult:
+                      targets: Sequence[Any], schedule: str = "1f1b", loss: str = "mean") -> PipelineResult:
     """`run_pipeline` on micro-batches already cut: `inputs[m]` and `targets[m]` are micro-batch m's
     first-stage input and last-stage targets (values that are not per example, such as a
-    random key, may be the same in every micro-batch)."""
+    random key, may be the same in every micro-batch).
+
+    `loss="mean"`: the loss is the mean of the micro-batches' losses and each backward is seeded
+    with `1 / B`; `"sum"`: their sum, each backward seeded with 1 (micro-batch losses that are
+    contributions to the full loss, meshplan.runtime.micro_batching).
+    """
+    if loss not in ("mean", "sum"):
+        raise OptionsError(f"run_micro_batches(loss={loss!r}): use 'mean' or 'sum'")
     num_micro_batches = len(inputs)
     events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
     last = pipeline.output_sharding(pipeline.num_stages - 1)
+    seed = 1.0 if loss == "sum" else 1.0 / num_micro_batches
     run = _Run(pipeline, place_params(pipeline, params_per_stage), list(inputs), list(targets),
-               jax.device_put(jnp.float32(1.0 / num_micro_batches), last))
+               jax.device_put(jnp.float32(seed), last))
     executed: list[Event] = []
     for event in events:
         step = run.forward if event.phase is Phase.FORWARD else run.backward
         step(event.stage, event.micro_batch)
         executed.append(event)
-    loss = _mean(run.losses)
-    return PipelineResult(loss, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
+    total = _sum(run.losses) if loss == "sum" else _mean(run.losses)
+    return PipelineResult(total, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
 
 
 @jax.jit
 def _mean(losses: list[jax.Array]) -> jax.Array:
     return sum(losses) / len(losses)
+
+
+@jax.jit
+def _sum(losses: list[jax.Array]) -> jax.Array:
+    return sum(losses[1:], losses[0])
 
 
 def apply_update(params_per_stage: Sequence[Any], grads_per_stage: Sequence[Any],
