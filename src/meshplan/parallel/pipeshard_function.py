@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import AxisType, Mesh
 
 from meshplan.capture import capture, find_batch_inputs
@@ -47,7 +47,7 @@ from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
-from meshplan.runtime.pipeline import Pipeline, run_micro_batches, run_pipeline
+from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline
 from meshplan.runtime.sharded import axis_names
 from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
 
@@ -61,6 +61,19 @@ class _Compiled:
     plan: Plan
     search: StageSearch | None
     example_inputs: tuple[tuple[Any, ...], ...]  # per stage: ShapeDtypeStructs of its forward's arguments
+
+
+@dataclass(frozen=True, slots=True)
+class _ForwardCompiled:
+    """Everything one input signature of a step without a gradient (inference) produced."""
+
+    parts: _Compiled  # the pipelined step
+    program: MicroProgram  # the step each micro-batch runs, and how its results add up
+    layers: LossLayers
+    batch: dict[int, int]  # flat step input -> its batch dim
+    weights: tuple[int, ...]  # flat step inputs the stages hold (float inputs that are not the batch)
+    out_tree: Any
+    statistics: Callable[..., Any] | None  # the program's full-batch statistics from the step's inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +91,7 @@ class _StepCompiled:
     statistics: Callable[..., Any] | None  # the program's full-batch statistics from the step's inputs
 
 
-class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
+class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _ForwardCompiled]):
     """A whole train step, or a loss function cut by `mark_pipeline_boundary`, run as a pipeline.
 
     Call a train step as the step itself: `f(state, batch) -> (new_state, metrics)`; a loss
@@ -103,6 +116,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         compiled = self._compiled(args)
         if isinstance(compiled, _StepCompiled):
             return self._run_step(compiled, args)
+        if isinstance(compiled, _ForwardCompiled):
+            return self._run_forward(compiled, args)
         params, x, targets = args
         per_stage = [tuple(params[s.first:s.last + 1]) for s in compiled.stages]
         result = run_pipeline(compiled.pipeline, per_stage, x, targets, self.method.num_micro_batches,
@@ -133,10 +148,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         """What the inter-op pass chose and from which layer costs (stages="auto"; else None)."""
         return _parts(self._require_last()).search
 
-    def _plan_of(self, compiled: _Compiled | _StepCompiled) -> Plan:
+    def _plan_of(self, compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> Plan:
         return _parts(compiled).plan
 
-    def _debug_files(self, compiled: _Compiled | _StepCompiled) -> dict[str, DebugFile]:
+    def _debug_files(self, compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> dict[str, DebugFile]:
         """Per stage k, stage_<k>_forward.hlo.txt (the compiled forward at micro-batch shapes) and
         stage_<k>_memory.txt (its memory analysis); plan.json (the Plan); placements.json (per
         stage its forward's input and output shardings and compile diagnostics; the last call's
@@ -162,7 +177,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
             files["placements.json"]["weight_stages"] = {str(w): list(s) for w, s in step.owners.items()}
         return files
 
-    def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled:
+    def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled | _ForwardCompiled:
         if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
             raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
                                f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
@@ -172,13 +187,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         step = trace_step(self.fn, args, self.__name__)
         if step is not None:
             return self._build_step(args, step, devices)
-        if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
-            raise OptionsError(
-                f"{self.__name__} computes no gradient (no jax.grad or jax.value_and_grad call while tracing) and "
-                f"is not a loss function called as f(params, x, targets) with one params entry per layer; "
-                f"PipeshardParallel pipelines a whole train step that takes its gradient with "
-                f"jax.grad/jax.value_and_grad (e.g. `loss, grads = jax.value_and_grad(loss_fn)(params, batch)`), "
-                f"or such a loss function")
+        if not _is_loss_function(self.fn, args):
+            return self._build_forward(args, devices)
         if self.method.layers != "auto":
             raise OptionsError(f"PipeshardParallel(layers={self.method.layers!r}) cuts a whole train step's loss; "
                                f"{self.__name__} is a loss function, whose layers are its params entries: drop layers")
@@ -208,6 +218,40 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         statistics = None if program.statistics is None else jax.jit(jaxpr_as_fun(program.statistics))
         return _StepCompiled(parts, step, loss, program, layers, batch, owners, update, statistics)
 
+    def _build_forward(self, args: tuple[Any, ...], devices: list[Any]) -> _ForwardCompiled:
+        """A step without a gradient (inference): the whole step cut into layers and run forward per
+        micro-batch; its results rebuilt exactly from the micro-batches' (runtime.micro_batching)."""
+        name, count = self.__name__, self.method.num_micro_batches
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        batch = self._batch_dims(args, leaves)
+        micro_leaves = [_micro_shape(leaf, batch.get(i), count) for i, leaf in enumerate(leaves)]
+        flat = lambda *values: self.fn(*jax.tree_util.tree_unflatten(tree, values))  # noqa: E731
+        full, out_shape = jax.make_jaxpr(flat, return_shape=True)(*shapes_of(leaves))
+        weights = tuple(i for i, leaf in enumerate(leaves) if i not in batch and jnp.issubdtype(dtype_of(leaf),
+                                                                                                jnp.inexact))
+        program = micro_batch_program(full, jax.make_jaxpr(flat)(*micro_leaves), weights, count, name, loss=False)
+        layers = split_loss(program.closed, weights, self._layer_count(program.closed, len(devices)))
+        layer_params = [tuple(micro_leaves[p] for p in ws) for ws in layers.weights]
+        micro_x = (*(micro_leaves[p] for p in range(len(leaves)) if p not in weights), *_extra_inputs(program))
+        rows = min(np.shape(micro_leaves[i])[d] for i, d in batch.items())
+        parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices, micro_rows=rows,
+                                                   forward_only=True), layers, "forward")
+        statistics = None if program.statistics is None else jax.jit(jaxpr_as_fun(program.statistics))
+        return _ForwardCompiled(parts, program, layers, batch, weights, jax.tree_util.tree_structure(out_shape),
+                                statistics)
+
+    def _layer_count(self, program: ClosedJaxpr, num_devices: int) -> int | None:
+        """How many layers `split_loss` cuts `program` into: None to cut at its marks."""
+        method, name = self.method, self.__name__
+        marks = count_marks(program)
+        if marks and method.layers not in ("auto", marks + 1):
+            raise OptionsError(f"{name} marks {marks + 1} layers with mark_pipeline_boundary but "
+                               f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
+                               f"or remove the marks to cut into {method.layers} layers by FLOPs")
+        if marks:
+            return None
+        return method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
+
     def _cut_loss(self, full: TracedStep, micro: TracedStep,
                   num_devices: int) -> tuple[LossProgram, MicroProgram, LossLayers]:
         """The loss of the micro-batch trace (step input positions), the program each micro-batch
@@ -220,13 +264,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                                f"PipeshardParallel needs a step whose structure does not depend on the batch size")
         program = micro_batch_program(whole.closed, loss.closed, loss.weights, method.num_micro_batches,
                                       f"{name}'s loss")
-        marks = count_marks(program.closed)
-        if marks and method.layers not in ("auto", marks + 1):
-            raise OptionsError(f"{name}'s loss marks {marks + 1} layers with mark_pipeline_boundary but "
-                               f"PipeshardParallel(layers={method.layers}); use layers='auto' to cut at the marks, "
-                               f"or remove the marks to cut into {method.layers} layers by FLOPs")
-        count = method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
-        return loss, program, split_loss(program.closed, loss.weights, None if marks else count)
+        return loss, program, split_loss(program.closed, loss.weights, self._layer_count(program.closed, num_devices))
 
     def _batch_dims(self, args: tuple[Any, ...], leaves: list[Any]) -> dict[int, int]:
         """Flat step input -> batch dim, given by batch_argnums or inferred; checked to cut evenly."""
@@ -251,9 +289,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                            for k in range(s.first, s.last + 1)) for s in parts.stages]
         count, program = self.method.num_micro_batches, compiled.program
         rest = [loss.inputs[p] for p in range(len(loss.inputs)) if p not in loss.weights]
-        last = parts.pipeline.stage_meshes[-1]
-        stats = () if compiled.statistics is None else tuple(compiled.statistics(
-            *(on_mesh(leaves[loss.inputs[p]], last) for p in program.statistic_inputs)))
+        stats = _statistics_of(compiled, [leaves[i] for i in loss.inputs])
         inputs = [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
                    *((np.int32(m),) if program.indexed else ())) for m in range(count)]
         result = run_micro_batches(parts.pipeline, per_stage, inputs, [()] * count, self.method.schedule, loss="sum")
@@ -276,11 +312,28 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                 jnp.zeros(np.shape(leaves[leaf]), leaves[leaf].dtype), parts.pipeline.stage_meshes[0])
         return compiled.update(env)
 
+    def _run_forward(self, compiled: _ForwardCompiled, args: tuple[Any, ...]) -> Any:
+        parts, layers, program = compiled.parts, compiled.layers, compiled.program
+        leaves = jax.tree_util.tree_leaves(args)
+        per_stage = [tuple(tuple(leaves[p] for p in layers.weights[k]) for k in range(s.first, s.last + 1))
+                     for s in parts.stages]
+        count = self.method.num_micro_batches
+        rest = [p for p in range(len(leaves)) if p not in compiled.weights]
+        stats = _statistics_of(compiled, leaves)
+        inputs = [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
+                   *((np.int32(m),) if program.indexed else ())) for m in range(count)]
+        result = run_forward(parts.pipeline, per_stage, inputs)
+        self._events = result.events
+        outs = [[y] if len(program.rules) == 1 else [y[0], *y[1]] for y in result.outputs]
+        values = [_rebuilt([o[j] for o in outs], rule) for j, rule in enumerate(program.rules)]
+        return jax.tree_util.tree_unflatten(compiled.out_tree, values)
+
     def _pipelined(self, layer_fns: Sequence[Callable[..., Any]], layer_params: list[Any], micro_x: Any,
-                   micro_t: Any, devices: list[Any], has_aux: bool = False, micro_rows: int | None = None) -> _Compiled:
+                   micro_t: Any, devices: list[Any], has_aux: bool = False, micro_rows: int | None = None,
+                   forward_only: bool = False) -> _Compiled:
         """The stages, layouts and pipeline of these layers (`layer_params`: ShapeDtypeStructs);
         with `has_aux` the last layer returns `(loss, aux)`; `micro_rows`: examples per
-        micro-batch (default: `micro_x`'s first leaf's leading dim)."""
+        micro-batch (default: `micro_x`'s first leaf's leading dim); `forward_only`: inference."""
         method, params = self.method, layer_params
         search = None
         if method.stages == "auto":
@@ -292,26 +345,31 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
         if method.stage_sharding == "data_parallel":
             rows = jax.tree_util.tree_leaves(micro_x)[0].shape[0] if micro_rows is None else micro_rows
             _check_data_parallel(stages, rows, method)
-        stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1) for k, s in enumerate(stages)]
+        stage_fns = [_compose(layer_fns, s.first, s.last, k == len(stages) - 1 and not forward_only)
+                     for k, s in enumerate(stages)]
         meshes = [Mesh(np.array([devices[i] for i in s.devices]).reshape(s.mesh_shape), axis_names(len(s.mesh_shape)),
                        axis_types=(AxisType.Auto,) * len(s.mesh_shape)) for s in stages]
         stage_params = [tuple(params[s.first:s.last + 1]) for s in stages]
         acts, targets_shapes = chain_inputs(stage_fns, stage_params, micro_x), shapes_of(micro_t)
-        layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes)
-        pipeline = Pipeline(stage_fns, meshes, layouts=layouts, last_has_aux=has_aux)
+        layouts = self._layouts(stage_fns, meshes, stages, stage_params, acts, targets_shapes, forward_only)
+        pipeline = Pipeline(stage_fns, meshes, layouts=layouts, last_has_aux=has_aux, forward_only=forward_only)
         return _Compiled(pipeline, stages, self._plan_record(stages, layouts, search), search,
                          _stage_examples(pipeline, stage_params, acts, targets_shapes))
 
     def _layouts(self, stage_fns: list[Callable[..., Any]], meshes: list[Mesh], stages: Sequence[StageAssignment],
-                 stage_params: list[Any], acts: list[Any], targets: Any) -> tuple[StageLayout, ...]:
-        """Each stage's layout; `acts[k]` is stage k's input (ShapeDtypeStructs)."""
+                 stage_params: list[Any], acts: list[Any], targets: Any,
+                 forward_only: bool = False) -> tuple[StageLayout, ...]:
+        """Each stage's layout; `acts[k]` is stage k's input (ShapeDtypeStructs); `forward_only`:
+        planned without backward, the last stage without targets."""
         last, layouts = len(stage_fns) - 1, []
         for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
             if self.method.stage_sharding == "auto":
                 logical = self.costs.mesh(stage.mesh_shape, stage.devices)
                 layouts.append(planned_layout(fn, mesh, logical, self.method.options(self.costs),
-                                              stage_params[k], acts[k], targets if k == last else None,
-                                              differentiate_input=k > 0, name=f"{self.__name__}.stage{k}"))
+                                              stage_params[k], acts[k],
+                                              targets if k == last and not forward_only else None,
+                                              differentiate_input=k > 0, name=f"{self.__name__}.stage{k}",
+                                              backward=not forward_only))
             else:
                 default = data_parallel_layout if self.method.stage_sharding == "data_parallel" else replicated_layout
                 layouts.append(default(fn, mesh, k == last))
@@ -338,11 +396,12 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled]):
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
 
 
-def _with_layer_record(parts: _Compiled, layers: LossLayers) -> _Compiled:
-    """`parts` whose Plan also says how the loss was cut (option "layers", metrics "layer_flops.<k>")."""
+def _with_layer_record(parts: _Compiled, layers: LossLayers, step: str = "whole") -> _Compiled:
+    """`parts` whose Plan also says what was pipelined (option "step": "whole" train step or
+    "forward" inference) and how it was cut (option "layers", metrics "layer_flops.<k>")."""
     plan = parts.plan
     return replace(parts, plan=replace(
-        plan, options=(*plan.options, ("step", "whole"), ("layers", "marked" if layers.marked else "flops")),
+        plan, options=(*plan.options, ("step", step), ("layers", "marked" if layers.marked else "flops")),
         metrics=(*plan.metrics, *((f"layer_flops.{k}", f) for k, f in enumerate(layers.flops)))))
 
 
@@ -389,8 +448,26 @@ def _rebuilt(values: list[Any], rule: Rule) -> Any:
     return jnp.concatenate(values, axis=rule.dim) if rule.how == "join" else values[0]
 
 
-def _parts(compiled: _Compiled | _StepCompiled) -> _Compiled:
-    return compiled.parts if isinstance(compiled, _StepCompiled) else compiled
+def _parts(compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> _Compiled:
+    return compiled if isinstance(compiled, _Compiled) else compiled.parts
+
+
+def _is_loss_function(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """Whether `fn(params, x, targets)` is a loss function cut by marks (params: one entry per
+    layer, one mark fewer than entries, a scalar float result), rather than an inference step."""
+    if len(args) != 3 or not isinstance(args[0], (list, tuple)) or not args[0]:
+        return False
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*args)
+    scalar = isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)
+    return scalar and count_marks(closed) == len(args[0]) - 1
+
+
+def _statistics_of(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[Any]) -> tuple[Any, ...]:
+    """The program's full-batch statistics, from its inputs `values` (moved to the last stage)."""
+    if compiled.statistics is None:
+        return ()
+    last = compiled.parts.pipeline.stage_meshes[-1]
+    return tuple(compiled.statistics(*(on_mesh(values[p], last) for p in compiled.program.statistic_inputs)))
 
 
 def _micro_shape(leaf: Any, dim: int | None, count: int) -> Any:
@@ -436,7 +513,7 @@ def _stage_examples(pipeline: Pipeline, params: Sequence[Any], acts: Sequence[An
     """Per stage, ShapeDtypeStructs (placed as the stage's layout says) of its forward's arguments."""
     examples = []
     for k in range(pipeline.num_stages):
-        last = k == pipeline.num_stages - 1
+        last = k == pipeline.num_stages - 1 and not pipeline.forward_only
         args = (params[k], acts[k], *((targets,) if last else ()))
         shardings = (pipeline.sharding(k), pipeline.activation_sharding(k),
                      *((pipeline.targets_sharding(),) if last else ()))
