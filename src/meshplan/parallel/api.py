@@ -60,12 +60,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
 
     def wrap(f: Callable[..., Any]) -> SpmdFunction | PipeshardFunction:
         if isinstance(method, PipeshardParallel):  # a train step, or a loss fn with boundaries
-            if donated:
-                raise OptionsError(f"parallelize(method=PipeshardParallel(...), donate_argnums={donated!r}): "
-                                   "pipelined functions do not donate buffers yet (stages hold copies of their "
-                                   "weights); drop donate_argnums")
             jitted = hasattr(f, "lower") and hasattr(f, "__wrapped__")  # a jax.jit step: trace the Python function
-            return PipeshardFunction(f.__wrapped__ if jitted else f, method, devices, costs, argnums)
+            return PipeshardFunction(f.__wrapped__ if jitted else f, method, devices, costs, argnums, donated)
         return SpmdFunction(f, method, devices, argnums, donated, costs)
 
     return wrap if fn is None else wrap(fn)

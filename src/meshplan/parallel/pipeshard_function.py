@@ -13,6 +13,7 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ from meshplan.capture import capture, find_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
+from meshplan.parallel.donation import UnusedDonationWarning
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
 from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, auto_layer_count, stage_assignments
 from meshplan.parallel.pipeshard_step import (
@@ -89,6 +91,7 @@ class _StepCompiled:
     owners: dict[int, tuple[int, ...]]  # differentiated step input -> the stages whose layers read it
     update: UpdateRunner
     statistics: Callable[..., Any] | None  # the program's full-batch statistics from the step's inputs
+    donated: frozenset[int]  # flat step inputs whose buffers the caller hands over (donate_argnums)
 
 
 class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _ForwardCompiled]):
@@ -99,9 +102,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
     """
 
     def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
-                 costs: DeviceCosts | None = None, batch_argnums: tuple[int, ...] | None = None) -> None:
+                 costs: DeviceCosts | None = None, batch_argnums: tuple[int, ...] | None = None,
+                 donate_argnums: tuple[int, ...] | str = ()) -> None:
         super().__init__(fn, method, devices, costs)
-        self.batch_argnums = batch_argnums
+        self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
         self._events: tuple[Event, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
@@ -172,8 +176,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         files["plan.json"] = compiled.plan.to_dict()
         files["placements.json"] = {"stages": placements, "events": [e.label for e in self._events]}
         if step is not None:  # a train step: where its update runs, and the stages reading each weight
-            files["placements.json"]["update"] = [{"stage": p.stage, "ops": len(p.eqns), "inputs": len(p.inputs),
-                                                   "outputs": len(p.outputs)} for p in step.update.pieces]
+            files["placements.json"]["update"] = [
+                {"stage": p.stage, "ops": len(p.eqns), "inputs": len(p.inputs), "outputs": len(p.outputs),
+                 "donated": {str(i): j for i, j in d.items()}} for p, d in zip(step.update.pieces,
+                                                                                step.update.donations, strict=True)]
             files["placements.json"]["weight_stages"] = {str(w): list(s) for w, s in step.owners.items()}
         return files
 
@@ -187,6 +193,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         step = trace_step(self.fn, args, self.__name__)
         if step is not None:
             return self._build_step(args, step, devices)
+        if self.donate_argnums and self.donate_argnums != "auto":
+            leaves = self._donated_leaves(args, {})
+            _warn_not_donated(self.__name__, args, leaves, "only a train step's update writes new values into "
+                              "donated buffers; this function takes no gradient")
         if not _is_loss_function(self.fn, args):
             return self._build_forward(args, devices)
         if self.method.layers != "auto":
@@ -214,9 +224,32 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         parts = _with_layer_record(self._pipelined(layers.fns, layer_params, micro_x, (), devices,
                                                    has_aux=len(program.rules) > 1, micro_rows=rows), layers)
         owners = _weight_stages(loss, layers, parts.stages)
-        update = _update_runner(step, owners, len(program.rules) - 1, parts.pipeline.stage_meshes)
+        donated = self._donated_leaves(args, batch)
+        update = _update_runner(step, owners, len(program.rules) - 1, parts.pipeline.stage_meshes, donated)
+        if update.not_donated and self.donate_argnums != "auto":
+            _warn_not_donated(self.__name__, args, update.not_donated, "no new value of its shape and dtype replaces "
+                              "it (e.g. the step returns it as it is)")
         statistics = None if program.statistics is None else jax.jit(jaxpr_as_fun(program.statistics))
-        return _StepCompiled(parts, step, loss, program, layers, batch, owners, update, statistics)
+        return _StepCompiled(parts, step, loss, program, layers, batch, owners, update, statistics,
+                             frozenset(donated) - set(update.not_donated))
+
+    def _donated_leaves(self, args: tuple[Any, ...], batch: dict[int, int]) -> tuple[int, ...]:
+        """Flat step inputs of the donated arguments ("auto": every argument holding no batch leaf)."""
+        spans, start = [], 0
+        for arg in args:
+            count = len(jax.tree_util.tree_leaves(arg))
+            spans.append(range(start, start + count))
+            start += count
+        if self.donate_argnums == "auto":
+            positions = [i for i, span in enumerate(spans) if not any(leaf in batch for leaf in span)]
+        else:
+            positions = list(self.donate_argnums)
+            bad = [i for i in positions if not 0 <= i < len(args)]
+            if bad:
+                raise OptionsError(f"parallelize(..., donate_argnums={self.donate_argnums}): position(s) {bad} are "
+                                   f"out of range for {self.__name__} called with {len(args)} argument(s); give "
+                                   f"positions 0..{len(args) - 1}")
+        return tuple(leaf for i in positions for leaf in spans[i])
 
     def _build_forward(self, args: tuple[Any, ...], devices: list[Any]) -> _ForwardCompiled:
         """A step without a gradient (inference): the whole step cut into layers and run forward per
@@ -285,8 +318,9 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
     def _run_step(self, compiled: _StepCompiled, args: tuple[Any, ...]) -> Any:
         parts, loss, layers = compiled.parts, compiled.loss, compiled.layers
         leaves = jax.tree_util.tree_leaves(args)
-        per_stage = [tuple(tuple(leaves[loss.inputs[p]] for p in layers.weights[k])
-                           for k in range(s.first, s.last + 1)) for s in parts.stages]
+        positions = [tuple(tuple(loss.inputs[p] for p in layers.weights[k]) for k in range(s.first, s.last + 1))
+                     for s in parts.stages]
+        per_stage, weights = _placed_weights(parts.pipeline, positions, leaves, compiled.donated)
         count, program = self.method.num_micro_batches, compiled.program
         rest = [loss.inputs[p] for p in range(len(loss.inputs)) if p not in loss.weights]
         stats = _statistics_of(compiled, [leaves[i] for i in loss.inputs])
@@ -301,7 +335,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                     contributions.setdefault(loss.inputs[p], []).append(g)
         jaxpr = compiled.step.closed.jaxpr
         gradient = jaxpr.eqns[compiled.step.gradient.index]
-        env = dict(zip(jaxpr.invars, leaves, strict=True))
+        env = {v: weights.get(i, leaf) for i, (v, leaf) in enumerate(zip(jaxpr.invars, leaves, strict=True))}
         env[gradient.outvars[0]] = result.loss
         num_aux = len(program.rules) - 1
         for j, rule in enumerate(program.rules[1:]):
@@ -417,7 +451,7 @@ def _weight_stages(loss: LossProgram, layers: LossLayers,
 
 
 def _update_runner(step: TracedStep, owners: dict[int, tuple[int, ...]], num_aux: int,
-                   meshes: Sequence[Mesh]) -> UpdateRunner:
+                   meshes: Sequence[Mesh], donated: Sequence[int] = ()) -> UpdateRunner:
     """The update placed on the stages: the loss and aux values live on the last stage, each weight
     and its gradient on its owner (stage 0 for a weight no layer reads)."""
     jaxpr = step.closed.jaxpr
@@ -426,7 +460,7 @@ def _update_runner(step: TracedStep, owners: dict[int, tuple[int, ...]], num_aux
     homes = {v: len(meshes) - 1 for v in gradient.outvars[:1 + num_aux]}
     homes.update((gradient.outvars[1 + num_aux + j], owner(leaf)) for j, leaf in enumerate(step.differentiated))
     homes.update((jaxpr.invars[leaf], owner(leaf)) for leaf in step.differentiated)
-    return UpdateRunner(step, update_pieces(step, homes), meshes)
+    return UpdateRunner(step, update_pieces(step, homes), meshes, donated)
 
 
 def _extra_inputs(program: MicroProgram) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -450,6 +484,38 @@ def _rebuilt(values: list[Any], rule: Rule) -> Any:
 
 def _parts(compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> _Compiled:
     return compiled if isinstance(compiled, _Compiled) else compiled.parts
+
+
+def _warn_not_donated(name: str, args: tuple[Any, ...], leaves: Sequence[int], why: str) -> None:
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    warnings.warn(f"{name}: donated argument leaves {', '.join(f'args{paths[i]}' for i in leaves)} are not donated "
+                  f"and stay valid: {why}. Drop them from donate_argnums, or pass donate_argnums=\"auto\".",
+                  UnusedDonationWarning, stacklevel=4)
+
+
+def _placed_weights(pipeline: Pipeline, positions: list[tuple[tuple[int, ...], ...]], leaves: list[Any],
+                    donated: frozenset[int]) -> tuple[list[Any], dict[int, Any]]:
+    """Each stage's weights (step leaves at `positions[stage][layer]`) on its sub-mesh in its layout;
+    and per step leaf the copy of its first stage (the one its update reads). A donated leaf not
+    yet laid out there is copied first: only meshplan's copy is donated, never the caller's array."""
+    per_stage, first = [], {}
+    for k, stage_positions in enumerate(positions):
+        flat, tree = jax.tree_util.tree_flatten(stage_positions)
+        values = [leaves[i] for i in flat]
+        shardings = [x.sharding for x in jax.tree_util.tree_leaves(
+            _placed(shapes_of(jax.tree_util.tree_unflatten(tree, values)), pipeline.sharding(k)))]
+        values = [jnp.array(v, copy=True) if i in donated and not _is_placed(v, where) else v
+                  for i, v, where in zip(flat, values, shardings, strict=True)]
+        placed = jax.device_put(values, shardings)
+        for i, value in zip(flat, placed, strict=True):
+            first.setdefault(i, value)
+        per_stage.append(jax.tree_util.tree_unflatten(tree, placed))
+    return per_stage, first
+
+
+def _is_placed(value: Any, where: Any) -> bool:
+    return isinstance(value, jax.Array) and (value.sharding == where or value.sharding.is_equivalent_to(
+        where, value.ndim))
 
 
 def _is_loss_function(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
