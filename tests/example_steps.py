@@ -82,7 +82,7 @@ class LinenLM(nn.Module):
 
     dim: int = 32
     heads: int = 4
-    depth: int = 2
+    depth: int = 1
     dropout: float = 0.1
 
     @nn.compact
@@ -192,7 +192,7 @@ class GemmaBlock(nnx.Module):
 
 
 class GemmaLM(nnx.Module):
-    def __init__(self, dim=32, heads=4, depth=2, rngs=None):
+    def __init__(self, dim=32, heads=4, depth=1, rngs=None):
         self.embedder = nnx.Embed(VOCAB, dim, rngs=rngs)
         self.blocks = nnx.List([GemmaBlock(dim, heads, rngs) for _ in range(depth)])
         self.final_norm = nnx.RMSNorm(dim, rngs=rngs)
@@ -321,7 +321,7 @@ def summarization_program(optimizer=None):
 # --- Hugging Face run_clm_flax.py: GPT-2 with dropout, a mean loss over shifted tokens ---------------
 
 def clm_program(optimizer=None):
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.1,
                         embd_pdrop=0.1, attn_pdrop=0.1)
     model = FlaxGPT2LMHeadModel(config, seed=0)
     linear_decay_lr_schedule_fn = optax.linear_schedule(1e-3, 0.0, 10)
@@ -356,7 +356,7 @@ def clm_program(optimizer=None):
 # --- Hugging Face run_mlm_flax.py: BERT with dropout, a summed masked loss divided by the label count --
 
 def mlm_program(optimizer=None):
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=LENGTH, hidden_dropout_prob=0.1,
                         attention_probs_dropout_prob=0.1)
     model = FlaxBertForMaskedLM(config, seed=0)

@@ -40,7 +40,9 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
             `jax.jit`; "auto": every argument except the batch arguments. Each donated leaf is
             paired with the first unpaired result of its shape and dtype (params -> new
             params); the plan gives both one layout. A donated leaf with no such result is
-            not donated (UnusedDonationWarning, except under "auto"). Default (): none.
+            not donated (UnusedDonationWarning, except under "auto"). Under PipeshardParallel
+            the update of a train step writes into the donated buffers on each stage.
+            Default (): none.
         cluster: plan with measured costs instead of placeholders: a Cluster, or the path of
             a file written by `meshplan profile-cluster` on these devices (intra- and
             inter-node collective latency and bandwidth, matmul FLOP/s; see DeviceCosts).
