@@ -323,9 +323,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         per_stage, weights = _placed_weights(parts.pipeline, positions, leaves, compiled.donated)
         count, program = self.method.num_micro_batches, compiled.program
         rest = [loss.inputs[p] for p in range(len(loss.inputs)) if p not in loss.weights]
-        stats = _statistics_of(compiled, [leaves[i] for i in loss.inputs])
-        inputs = [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
-                   *((np.int32(m),) if program.indexed else ())) for m in range(count)]
+        inputs = _micro_inputs(compiled, [leaves[i] for i in loss.inputs], leaves, rest, count)
         result = run_micro_batches(parts.pipeline, per_stage, inputs, [()] * count, self.method.schedule, loss="sum")
         self._events = result.events
         contributions: dict[int, list[Any]] = {}
@@ -351,12 +349,9 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         leaves = jax.tree_util.tree_leaves(args)
         per_stage = [tuple(tuple(leaves[p] for p in layers.weights[k]) for k in range(s.first, s.last + 1))
                      for s in parts.stages]
-        count = self.method.num_micro_batches
         rest = [p for p in range(len(leaves)) if p not in compiled.weights]
-        stats = _statistics_of(compiled, leaves)
-        inputs = [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
-                   *((np.int32(m),) if program.indexed else ())) for m in range(count)]
-        result = run_forward(parts.pipeline, per_stage, inputs)
+        result = run_forward(parts.pipeline, per_stage,
+                             _micro_inputs(compiled, leaves, leaves, rest, self.method.num_micro_batches))
         self._events = result.events
         outs = [[y] if len(program.rules) == 1 else [y[0], *y[1]] for y in result.outputs]
         values = [_rebuilt([o[j] for o in outs], rule) for j, rule in enumerate(program.rules)]
@@ -528,12 +523,18 @@ def _is_loss_function(fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     return scalar and count_marks(closed) == len(args[0]) - 1
 
 
-def _statistics_of(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[Any]) -> tuple[Any, ...]:
-    """The program's full-batch statistics, from its inputs `values` (moved to the last stage)."""
-    if compiled.statistics is None:
-        return ()
-    last = compiled.parts.pipeline.stage_meshes[-1]
-    return tuple(compiled.statistics(*(on_mesh(values[p], last) for p in compiled.program.statistic_inputs)))
+def _micro_inputs(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[Any], leaves: Sequence[Any],
+                  rest: Sequence[int], count: int) -> list[tuple[Any, ...]]:
+    """Per micro-batch, the first stage's inputs: micro-batch m of the step leaves `rest`, then the
+    program's full-batch statistics (from its inputs `values`, computed on the last stage), then
+    the micro-batch index when the program takes it."""
+    stats: tuple[Any, ...] = ()
+    if compiled.statistics is not None:
+        last = compiled.parts.pipeline.stage_meshes[-1]
+        stats = tuple(compiled.statistics(*(on_mesh(values[p], last) for p in compiled.program.statistic_inputs)))
+    index = compiled.program.indexed
+    return [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
+             *((np.int32(m),) if index else ())) for m in range(count)]
 
 
 def _micro_shape(leaf: Any, dim: int | None, count: int) -> Any:
