@@ -211,6 +211,24 @@ def test_constants_before_the_gradient_are_folded_into_the_loss():
                                jax.jit(step)(W, X, Y, KEY, jnp.int32(3))[2], rtol=1e-6)
 
 
+@pytest.mark.parametrize("reduce", [lambda e, y: jnp.sum(e),
+                                    lambda e, y: jnp.sum(e * (y[:, 0] > 0)) / jnp.sum(y[:, 0] > 0)],
+                         ids=["sum", "weighted mean"])
+def test_a_loss_function_cut_by_hand_must_be_a_mean(reduce):
+    """A loss function `f(params, x, targets)` keeps Alpa's rule, the mean of the micro-batch
+    losses: exact only for a mean over examples, so other forms are refused, pointing to the
+    whole-step form that splits them exactly."""
+    from meshplan.runtime import mark_pipeline_boundary
+
+    def loss(params, x, y):
+        h = mark_pipeline_boundary(jnp.tanh(x @ params[0]))
+        return reduce(((h @ params[1] - y) ** 2).mean(-1), y)
+
+    params = [jnp.ones((8, 8)) / 8, jnp.ones((8, 5))]
+    with pytest.raises(OptionsError, match="loss is not a mean over the batch's examples .* Pass the whole train step"):
+        parallelize(loss, method=PipeshardParallel(2))(params, X, Y)
+
+
 # --- example steps under PipeshardParallel vs one device ----------------------------------------------
 
 _REFERENCE: dict[str, tuple] = {}

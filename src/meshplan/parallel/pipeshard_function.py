@@ -205,8 +205,23 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         params, x, targets = args
         micro_x, micro_t = (_micro_example(t, name, self.method.num_micro_batches)
                             for t, name in ((x, "x"), (targets, "targets")))
+        self._check_mean_loss(args, (params, micro_x, micro_t))
         layer_fns = split_into_stages(self.fn, list(params), micro_x, micro_t)
         return self._pipelined(layer_fns, [shapes_of(p) for p in params], micro_x, micro_t, devices)
+
+    def _check_mean_loss(self, args: tuple[Any, ...], micro_args: tuple[Any, ...]) -> None:
+        """Raise unless averaging a loss function's micro-batch losses gives its full-batch loss."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        flat = lambda *values: self.fn(*jax.tree_util.tree_unflatten(tree, values))  # noqa: E731
+        full, micro = (jax.make_jaxpr(flat)(*shapes_of(jax.tree_util.tree_leaves(a))) for a in (args, micro_args))
+        weights = range(len(jax.tree_util.tree_leaves(args[0])))
+        name = self.__name__
+        if not micro_batch_program(full, micro, weights, self.method.num_micro_batches, f"{name}'s loss").is_mean:
+            raise OptionsError(f"{name}'s loss is not a mean over the batch's examples (a sum, a mean over "
+                               f"non-padding tokens, a normalizer computed from the batch); PipeshardParallel averages "
+                               f"a loss function's micro-batch losses, which gives the full batch's only for a mean. "
+                               f"Pass the whole train step (jax.value_and_grad and the update inside), whose loss it "
+                               f"splits exactly, or write the loss as a mean")
 
     def _build_step(self, args: tuple[Any, ...], step: TracedStep, devices: list[Any]) -> _StepCompiled:
         """Cut the step's loss into layers at micro-batch shapes, pipeline them, place the update."""

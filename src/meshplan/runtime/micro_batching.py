@@ -93,6 +93,8 @@ class MicroProgram:
             `statistic_inputs`; None when there are none.
         statistic_inputs: positions (into the program's inputs) that `statistics` reads.
         indexed: whether `closed` takes the micro-batch index.
+        is_mean: whether the mean of the micro-batches' first results as traced (without this
+            rewrite) is already the full batch's: a mean over examples, as Alpa assumes.
     """
 
     closed: ClosedJaxpr
@@ -100,6 +102,7 @@ class MicroProgram:
     statistics: ClosedJaxpr | None
     statistic_inputs: tuple[int, ...]
     indexed: bool
+    is_mean: bool = False
 
     @property
     def num_statistics(self) -> int:
@@ -113,6 +116,7 @@ class _Value:
     weighted: bool  # depends on the weights
     dims: tuple[int, ...] = ()  # the dims that carry the batch (EXAMPLES)
     reason: str = ""  # MIXED: the construct that made it so
+    counts: int = 0  # SUM: divisions by the batch's element count on every way here (-1: not the same on all)
 
 
 _LINEAR = frozenset({"neg", "reduce_sum", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
@@ -140,9 +144,10 @@ def micro_batch_program(full: ClosedJaxpr, micro: ClosedJaxpr, weights: Sequence
     _check_aligned(full.jaxpr, micro.jaxpr, what)
     analysis = _Analysis(full, micro, frozenset(weights), count, what)
     analysis.run()
+    is_mean = loss and analysis.is_mean()
     rules = analysis.output_rules(loss)
     statistics, inputs = analysis.statistics_program()
-    return MicroProgram(analysis.rewritten(loss), rules, statistics, inputs, analysis.indexed)
+    return MicroProgram(analysis.rewritten(loss), rules, statistics, inputs, analysis.indexed, is_mean)
 
 
 def _check_aligned(full: Any, micro: Any, what: str) -> None:
@@ -287,7 +292,15 @@ class _Analysis:
         if name in _ADDS:
             self.first_only.update((i, j) for j, s in enumerate(sums) if not s)
             self.indexed |= not all(sums)
-        return _Value(Kind.SUM, True)
+        counts = {v.counts for v in ins if v.kind is Kind.SUM}
+        divided = name == "div" and self._is_count(i, 1, m)
+        return _Value(Kind.SUM, True, counts=counts.pop() + divided if len(counts) == 1 and -1 not in counts else -1)
+
+    def _is_count(self, i: int, j: int, m: Any) -> bool:
+        """Operand j of equation i is an element count of the batch: a literal `count` times larger at full shapes."""
+        var = m.invars[j]
+        return ((i, j) in self.fixed and isinstance(var, Literal) and np.ndim(var.val) == 0
+                and np.isclose(float(self.fixed[(i, j)]), self.count * float(var.val)))
 
     def _fix_statistics(self, i: int, full_vars: Sequence[Any], micro_vars: Sequence[Any],
                         ins: Sequence[_Value]) -> None:
@@ -313,6 +326,16 @@ class _Analysis:
         return f"`{m.primitive.name}`{_at(m)} {text}"
 
     # --- results ----------------------------------------------------------------------------------
+
+    def is_mean(self) -> bool:
+        """Whether averaging the micro-batches' first results (as they are traced) gives the full
+        batch's: a mean over examples (a sum over the batch divided once, on every way, by the
+        batch's element count), plus terms that do not depend on the batch; no statistics and no
+        draws along the batch."""
+        if self.statistic_vars or self.draws:
+            return False
+        value = self._operand(len(self.micro.jaxpr.eqns), 0, self.full.jaxpr.outvars[0], self.micro.jaxpr.outvars[0])
+        return value.kind is Kind.SAME or (value.kind is Kind.SUM and value.counts == 1)
 
     def output_rules(self, loss: bool) -> tuple[Rule, ...]:
         jaxpr, end = self.micro.jaxpr, len(self.micro.jaxpr.eqns)
