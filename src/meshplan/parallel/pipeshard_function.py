@@ -1,9 +1,12 @@
-"""PipeshardFunction: a train step, or a loss function with boundaries, run as a pipeline of sharded stages.
+"""PipeshardFunction: a train or inference step, or a loss function with boundaries, run as a pipeline.
 
 On the first call with new argument shapes the function is traced with its gradient marked. A
 train step (one that takes a gradient) has its loss cut into layers and its update placed per
 stage (meshplan.parallel.pipeshard_step); a loss function is cut at its `mark_pipeline_boundary`
-calls into layers (runtime.boundary.split_into_stages). Either way the layers are grouped into stages as the
+calls into layers (runtime.boundary.split_into_stages); any other function without a gradient
+is an inference step, cut like a loss and run forward only. Train and inference steps run, per
+micro-batch, the program runtime.micro_batching derives, so results equal the full batch's.
+Either way the layers are grouped into stages as the
 PipeshardParallel options say (meshplan.parallel.pipeshard, or the inter-op pass for "auto":
 meshplan.parallel.stage_pricing), each stage laid out on its sub-mesh (runtime.stage_layout:
 planned by the intra-op ILP, data parallel or replicated), and micro-batches run through
@@ -95,10 +98,11 @@ class _StepCompiled:
 
 
 class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _ForwardCompiled]):
-    """A whole train step, or a loss function cut by `mark_pipeline_boundary`, run as a pipeline.
+    """A whole train step, an inference step, or a loss function cut by `mark_pipeline_boundary`,
+    run as a pipeline.
 
-    Call a train step as the step itself: `f(state, batch) -> (new_state, metrics)`; a loss
-    function as `f(params, x, targets) -> (loss, grads)`.
+    Call a train or inference step as the step itself: `f(state, batch) -> (new_state, metrics)`,
+    `f(params, batch) -> outputs`; a loss function as `f(params, x, targets) -> (loss, grads)`.
     """
 
     def __init__(self, fn: Callable[..., Any], method: PipeshardParallel, devices: Sequence[Any] | None,
@@ -109,7 +113,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         self._events: tuple[Event, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
-        """The step's results (a train step), or loss and grads equal to
+        """The step's results (a train or inference step), or loss and grads equal to
         `jax.value_and_grad(loss_fn)(params, x, targets)` (a loss function).
 
         A loss function's grads come back as a list (a tuple if `params` is one), one entry per

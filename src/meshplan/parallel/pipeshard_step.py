@@ -7,8 +7,9 @@
 * the *loss*: the marked loss jaxpr, with what the step computes for it beforehand from
   non-differentiated inputs (e.g. `ids[:, :-1]`) folded in front; traced again at micro-batch
   shapes and cut into layers (runtime.loss_layers) that the pipeline runs forward and backward
-  per micro-batch, accumulating gradients (the loss of a step is the mean of its micro-batches'
-  losses, as in Alpa: exact for a loss that is a mean over the batch);
+  per micro-batch, accumulating gradients; the program each micro-batch runs is rewritten so
+  that the micro-batches' losses and gradients add up to the full batch's
+  (runtime.micro_batching: means, sums, weighted means, dropout);
 * the *update*: every equation after the gradient that the step's results need (optimizer,
   metrics), at full-batch shapes, run on the stages' devices: each equation goes to the stage
   that holds its largest input (a weight's gradient, its optimizer moments follow it),
