@@ -52,7 +52,7 @@ from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
-from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline
+from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline, sum_of
 from meshplan.runtime.sharded import axis_names
 from meshplan.runtime.stage_layout import StageLayout, data_parallel_layout, planned_layout, replicated_layout
 
@@ -484,15 +484,10 @@ def _extra_inputs(program: MicroProgram) -> tuple[jax.ShapeDtypeStruct, ...]:
     return (*stats, *((jax.ShapeDtypeStruct((), jnp.int32),) if program.indexed else ()))
 
 
-@jax.jit
-def _sum_of(values: list[Any]) -> Any:
-    return sum(values[1:], values[0])
-
-
 def _rebuilt(values: list[Any], rule: Rule) -> Any:
     """One result from its micro-batches' values (see micro_batching.Rule)."""
     if rule.how == "sum":
-        return _sum_of(values)
+        return sum_of(values)
     return jnp.concatenate(values, axis=rule.dim) if rule.how == "join" else values[0]
 
 

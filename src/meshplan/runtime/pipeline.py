@@ -318,7 +318,7 @@ def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], input
         step = run.forward if event.phase is Phase.FORWARD else run.backward
         step(event.stage, event.micro_batch)
         executed.append(event)
-    total = _sum(run.losses) if loss == "sum" else _mean(run.losses)
+    total = sum_of(run.losses) if loss == "sum" else _mean(run.losses)
     return PipelineResult(total, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
 
 
@@ -328,8 +328,9 @@ def _mean(losses: list[jax.Array]) -> jax.Array:
 
 
 @jax.jit
-def _sum(losses: list[jax.Array]) -> jax.Array:
-    return sum(losses[1:], losses[0])
+def sum_of(values: list[Any]) -> Any:
+    """The sum of `values` (arrays of one shape and dtype, integers included), jitted."""
+    return sum(values[1:], values[0])
 
 
 class ForwardResult(NamedTuple):
