@@ -49,7 +49,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from meshplan.errors import OptionsError
 from meshplan.runtime.random_rows import RANDOM_DRAWS, counter_based, draw_rows
-from meshplan.runtime.replay import inline_calls, read, source_of
+from meshplan.runtime.replay import inline_calls, read, replay, source_of
 
 try:  # private in JAX 0.10: names the user's source line in refusals
     from jax._src.source_info_util import summarize as _summarize
@@ -170,6 +170,9 @@ def scaled_dims(full_aval: Any, micro_aval: Any, count: int) -> tuple[int, ...] 
 
 @dataclass(slots=True)
 class _Analysis:
+    """Kinds of the values of `micro` (aligned with `full` equation by equation), and the rewrite
+    they call for: operands read as full-batch values, terms kept in micro-batch 0, draws by rows."""
+
     full: ClosedJaxpr
     micro: ClosedJaxpr
     weights: frozenset[int]
@@ -214,7 +217,7 @@ class _Analysis:
                                f"batch; PipeshardParallel needs values whose shape changes only along the batch")
         return dims
 
-    def _operand(self, i: int, j: int, full_var: Any, micro_var: Any) -> _Value:
+    def _operand(self, full_var: Any, micro_var: Any) -> _Value:
         if isinstance(micro_var, Literal):
             if _equal(full_var.val, micro_var.val):
                 return _Value(Kind.SAME, False)
@@ -222,7 +225,7 @@ class _Analysis:
         return self.values[micro_var]
 
     def _eqn(self, i: int, f: Any, m: Any) -> None:
-        ins = [self._operand(i, j, fv, mv) for j, (fv, mv) in enumerate(zip(f.invars, m.invars, strict=True))]
+        ins = [self._operand(fv, mv) for fv, mv in zip(f.invars, m.invars, strict=True)]
         outs = [self._dims(fv.aval, mv.aval, f"`{m.primitive.name}`'s result{_at(m)}")
                 for fv, mv in zip(f.outvars, m.outvars, strict=True)]
         result = self._kinds(i, f, m, ins, outs)
@@ -334,14 +337,14 @@ class _Analysis:
         draws along the batch."""
         if self.statistic_vars or self.draws:
             return False
-        value = self._operand(len(self.micro.jaxpr.eqns), 0, self.full.jaxpr.outvars[0], self.micro.jaxpr.outvars[0])
+        value = self._operand(self.full.jaxpr.outvars[0], self.micro.jaxpr.outvars[0])
         return value.kind is Kind.SAME or (value.kind is Kind.SUM and value.counts == 1)
 
     def output_rules(self, loss: bool) -> tuple[Rule, ...]:
         jaxpr, end = self.micro.jaxpr, len(self.micro.jaxpr.eqns)
         rules = []
         for j, var in enumerate(jaxpr.outvars):
-            value = self._operand(end, j, self.full.jaxpr.outvars[j], var)
+            value = self._operand(self.full.jaxpr.outvars[j], var)
             if value.kind is Kind.MIXED:
                 raise OptionsError(self._refusal(j, loss, value.reason))
             if value.kind is Kind.STATISTIC:
@@ -380,10 +383,7 @@ class _Analysis:
         consts = dict(zip(jaxpr.constvars, self.full.consts, strict=True))
 
         def statistics(*values: Any) -> list[Any]:
-            env = {**consts, **{jaxpr.invars[p]: x for p, x in zip(inputs, values, strict=True)}}
-            for e in eqns:
-                outs = e.primitive.bind(*(read(env, v) for v in e.invars), **e.primitive.get_bind_params(e.params))
-                env.update(zip(e.outvars, outs if e.primitive.multiple_results else (outs,), strict=True))
+            env = replay(eqns, {**consts, **{jaxpr.invars[p]: x for p, x in zip(inputs, values, strict=True)}})
             return [env[v] for v in targets]
 
         avals = [_struct(jaxpr.invars[p].aval) for p in inputs]
