@@ -53,6 +53,8 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
             paired with the first unpaired result of its shape and dtype (params -> new
             params; an nnx object -> its new state); the plan gives both one layout. A donated
             leaf with no such result is not donated (UnusedDonationWarning, except under "auto").
+            Under PipeshardParallel the update of a train step writes into the donated buffers on
+            each stage.
             Default (): none.
         cluster: plan with measured costs instead of placeholders: a Cluster, or the path of
             a file written by `meshplan profile-cluster` on these devices (intra- and
@@ -83,11 +85,7 @@ def parallelize(fn: Callable[..., Any] | None = None, *, method: Method | None =
         _check_not_static(form, batch or (), "batch_argnums")
         _check_not_static(form, () if donated == "auto" else donated, "donate_argnums")
         if isinstance(method, PipeshardParallel):  # a train step, or a loss fn with boundaries
-            if donated:
-                raise OptionsError(f"parallelize(method=PipeshardParallel(...), donate_argnums={donated!r}): "
-                                   "pipelined functions do not donate buffers yet (stages hold copies of their "
-                                   "weights); drop donate_argnums")
-            return PipeshardFunction(form, method, devices, costs, batch)
+            return PipeshardFunction(form, method, devices, costs, batch, donated)
         return SpmdFunction(form, method, devices, batch, donated, costs)
 
     return wrap if fn is None else wrap(fn)

@@ -121,8 +121,8 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
 
     def transform(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
                   **options: Any) -> Callable[..., Any]:
-        if any(options.values()):  # holomorphic, allow_int, ...: JAX's own gradient
-            return original(fun, argnums, has_aux=has_aux, **options)
+        if any(options.values()):  # holomorphic, allow_int, ...: not pipelined
+            return _refusing(fun, argnums, has_aux, options, original)
 
         def marked(*args: Any, **kwargs: Any) -> Any:
             if kwargs:
@@ -134,6 +134,21 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
         return marked
 
     return transform
+
+
+def _refusing(fun: Callable[..., Any], argnums: Any, has_aux: bool, options: dict[str, Any],
+              original: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's own gradient on constants; on the step's values an error (the step would otherwise
+    look like one without a gradient, and run forward only)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            used = sorted(k for k, v in options.items() if v)
+            raise OptionsError(f"{getattr(fun, '__name__', 'the loss')} is differentiated with {used}; "
+                               f"PipeshardParallel pipelines gradients of real-valued losses with respect to "
+                               f"float weights: drop {used} (or use another method)")
+        return original(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
+
+    return call
 
 
 def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequence[int], has_aux: bool,
