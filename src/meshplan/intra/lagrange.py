@@ -62,64 +62,104 @@ class PricingResult:
     prices: np.ndarray
 
 
-def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, start: np.ndarray,
-                 start_fits: bool, deadline: float, rng: np.random.Generator) -> PricingResult:
-    """Search with memory prices from `start` (feasible if `start_fits`) until `deadline`
-    (perf_counter seconds)."""
-    unary = problem.costs.values
-    capacity = terms.rows.capacity
-    # the dual's gathers hold ~3 indices per entry of every edge matrix, twice: skip it (no
-    # bound, warm plans only) on problems whose matrices would not fit comfortably in memory
-    dual = EdgeDual(ix) if len(ix.forward) <= DUAL_MAX_ENTRIES else None
-    lam = np.zeros(len(capacity))
-    best = start.copy() if start_fits else None
-    best_cost = problem.cost_of(start) if start_fits else np.inf
-    bound = -np.inf
-    x = start.copy()
-    rounds = improvements = 0
-    forests = [random_forest(ix, rng) for _ in range(FORESTS)]
-    alpha, stale = 1.0, 0
-    bound_prices = lam
-    search_until = deadline - TIGHTEN_SHARE * (deadline - time.perf_counter())
-    while time.perf_counter() < search_until:
-        rounds += 1
-        priced = unary + terms.prices(lam)
+class MemoryPricing:
+    """The state of the search with memory prices; `step` runs one round (see the module
+    docstring), `adopt` takes a feasible plan found elsewhere (another search of a portfolio)."""
+
+    def __init__(self, problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, start: np.ndarray,
+                 start_fits: bool, rng: np.random.Generator) -> None:
+        self.problem, self.ix, self.terms, self.rng = problem, ix, terms, rng
+        self.unary = problem.costs.values
+        self.capacity = terms.rows.capacity
+        # the dual's gathers hold ~3 indices per entry of every edge matrix, twice: skip it (no
+        # bound, warm plans only) on problems whose matrices would not fit comfortably in memory
+        self.dual = EdgeDual(ix) if len(ix.forward) <= DUAL_MAX_ENTRIES else None
+        self.lam = np.zeros(len(self.capacity))
+        self.best = start.copy() if start_fits else None
+        self.best_cost = problem.cost_of(start) if start_fits else np.inf
+        self.bound, self.bound_prices = -np.inf, self.lam
+        self.x = start.copy()
+        self.rounds = self.improvements = 0
+        self.forests = [random_forest(ix, rng) for _ in range(FORESTS)]
+        self.alpha, self.stale = 1.0, 0
+
+    @property
+    def closed(self) -> bool:
+        """The bound proves the best plan optimal."""
+        return _closed(self.best_cost, self.bound)
+
+    def adopt(self, choice: np.ndarray, cost: float) -> None:
+        """A feasible plan from elsewhere: the best if it is better, and the next round's start."""
+        if cost < self.best_cost:
+            self.best, self.best_cost = choice.copy(), cost
+            self.x = choice.copy()
+
+    def step(self, deadline: float) -> bool:
+        """One round; whether it found a better feasible plan."""
+        self.rounds += 1
+        lam, capacity = self.lam, self.capacity
+        priced = self.unary + self.terms.prices(lam)
         decoded = None
-        if dual is not None:
+        if self.dual is not None:
             for _ in range(DUAL_SWEEPS):
-                dual.sweep(priced)
-            proven = dual.bound(priced) - float(lam @ capacity)
-            if proven > bound:
-                bound, bound_prices = proven, lam
-            decoded = segment_argmin(ix, dual.beliefs(priced))
-        x = _priced_plan(ix, priced, x, decoded, forests, rng)
-        excess = terms.loads(x) - capacity
+                self.dual.sweep(priced)
+            proven = self.dual.bound(priced) - float(lam @ capacity)
+            if proven > self.bound:
+                self.bound, self.bound_prices = proven, lam
+            decoded = segment_argmin(self.ix, self.dual.beliefs(priced))
+        self.x = _priced_plan(self.ix, priced, self.x, decoded, self.forests, self.rng)
+        excess = self.terms.loads(self.x) - capacity
         direction = np.where((lam > 0) | (excess > 0), excess, 0.0)
         norm = float(direction @ direction)
         # the priced plan's Lagrangian value (not a bound: the plan only approximates the
         # priced optimum) sets the step; it tracks the prices' effect faster than the bound
-        value = problem.cost_of(x) + float(lam @ excess)
-        target = best_cost if np.isfinite(best_cost) else value * 1.5
+        value = self.problem.cost_of(self.x) + float(lam @ excess)
+        target = self.best_cost if np.isfinite(self.best_cost) else value * 1.5
         if norm > 0:
-            lam = np.maximum(0.0, lam + alpha * max(target - value, 0.01 * abs(target)) / norm * direction)
-        candidate = x.copy()
-        if repair(ix, terms, unary, lam, candidate, deadline):
-            improve_feasible(ix, terms, unary, candidate, sweeps=3)
-            cost = problem.cost_of(candidate)
-            if cost < best_cost:
-                best, best_cost, stale = candidate, cost, 0
-                improvements += 1
-        stale += 1
-        if stale >= 20:  # no better plan for a while: smaller steps
-            alpha, stale = alpha * 0.7, 0
-        log.debug("round %d: bound %.6g, value %.6g, priced plan %.6g over %d rows, best %.6g, step %.3g", rounds,
-                  bound, value, problem.cost_of(x), int((excess > 0).sum()), best_cost, alpha)
-        if _closed(best_cost, bound):
-            break
-    if dual is not None and not _closed(best_cost, bound):
-        priced = unary + terms.prices(bound_prices)
-        bound = max(bound, _tighten(dual, priced, float(bound_prices @ capacity), best_cost, deadline))
-    return PricingResult(best, float(best_cost), float(bound), rounds, improvements, lam)
+            self.lam = np.maximum(0.0, lam + self.alpha * max(target - value, 0.01 * abs(target)) / norm * direction)
+        improved = self._repair(deadline)
+        self.stale += 1
+        if self.stale >= 20:  # no better plan for a while: smaller steps
+            self.alpha, self.stale = self.alpha * 0.7, 0
+        log.debug("round %d: bound %.6g, value %.6g, priced plan %.6g over %d rows, best %.6g, step %.3g",
+                  self.rounds, self.bound, value, self.problem.cost_of(self.x), int((excess > 0).sum()),
+                  self.best_cost, self.alpha)
+        return improved
+
+    def _repair(self, deadline: float) -> bool:
+        candidate = self.x.copy()
+        if not repair(self.ix, self.terms, self.unary, self.lam, candidate, deadline):
+            return False
+        improve_feasible(self.ix, self.terms, self.unary, candidate, sweeps=3)
+        cost = self.problem.cost_of(candidate)
+        if cost >= self.best_cost:
+            return False
+        self.best, self.best_cost, self.stale = candidate, cost, 0
+        self.improvements += 1
+        return True
+
+    def tighten(self, deadline: float) -> None:
+        """Sweeps at the prices of the best bound until `deadline` (they only raise it)."""
+        if self.dual is not None and not self.closed:
+            priced = self.unary + self.terms.prices(self.bound_prices)
+            constant = float(self.bound_prices @ self.capacity)
+            self.bound = max(self.bound, _tighten(self.dual, priced, constant, self.best_cost, deadline))
+
+    def result(self) -> PricingResult:
+        return PricingResult(self.best, float(self.best_cost), float(self.bound), self.rounds, self.improvements,
+                             self.lam)
+
+
+def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, start: np.ndarray,
+                 start_fits: bool, deadline: float, rng: np.random.Generator) -> PricingResult:
+    """Search with memory prices from `start` (feasible if `start_fits`) until `deadline`
+    (perf_counter seconds)."""
+    search = MemoryPricing(problem, ix, terms, start, start_fits, rng)
+    search_until = deadline - TIGHTEN_SHARE * (deadline - time.perf_counter())
+    while time.perf_counter() < search_until and not search.closed:
+        search.step(deadline)
+    search.tighten(deadline)
+    return search.result()
 
 
 def _closed(cost: float, bound: float) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.intra.lazy_rows import Hooks, NoHooks
 from meshplan.intra.local_search import Incumbent
 from meshplan.intra.memory import MemoryRows
 from meshplan.intra.mip import Block, build_mip, solve_mip
@@ -29,20 +30,29 @@ class LnsStats:
 
 
 def run_lns(inc: Incumbent, deadline: float, rng: np.random.Generator, window: int = 60,
-            sub_time: float = 3.0) -> LnsStats:
-    """Improve `inc` in place until `deadline` (perf_counter seconds)."""
+            sub_time: float = 3.0, hooks: Hooks | None = None) -> LnsStats:
+    """Improve `inc` in place until `deadline` (perf_counter seconds); `hooks` report each
+    better plan and offer plans found elsewhere (taken when better)."""
+    hooks = hooks or NoHooks()
     windows = improved = 0
     while time.perf_counter() + 0.2 < deadline:
         nodes = _graph_window(inc, rng, window) if windows % 2 == 0 else _memory_window(inc, rng, window)
         limit = min(sub_time, deadline - time.perf_counter())
+        before = inc.cost
         result = _reoptimize(inc, nodes, limit)
         windows += 1
-        improved += result == "improved"
+        if inc.cost < before:
+            improved += 1
+            hooks.found(inc.choice, inc.cost)
         if result == "timeout":
             window = max(8, int(window * 0.8))
         elif result in ("improved", "same"):
             window = min(inc.problem.num_nodes, int(window * 1.1) + 1)
+        offered = hooks.offered()
+        if offered is not None and offered[1] < inc.cost:
+            inc.reset(offered[0])
     return LnsStats(windows, improved, window)
+
 
 
 def _regret(inc: Incumbent, v: int) -> float:

@@ -158,7 +158,8 @@ def _price_floor(unary: np.ndarray, capacity: np.ndarray) -> float:
     """A small price per byte and row: one thousandth of the mean cost per byte of capacity."""
     finite = unary[np.isfinite(unary)]
     scale = float(np.abs(finite).mean()) if len(finite) else 1.0
-    return 1e-3 * max(scale, 1.0) / max(float(np.abs(capacity).mean()), 1.0)
+    room = float(np.abs(capacity).mean()) if len(capacity) else 1.0
+    return 1e-3 * max(scale, 1.0) / max(room, 1.0)
 
 
 def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, choice: np.ndarray,

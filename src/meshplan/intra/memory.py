@@ -164,3 +164,12 @@ def term_index(rows: MemoryRows, node: np.ndarray, usages, costs_ptr: np.ndarray
     local = np.arange(len(usages.values)) - np.repeat(usages.ptr[:-1], lengths)
     flat = np.repeat(costs_ptr[node], lengths) + local
     return TermIndex(rows, node, usages.ptr[:-1].copy(), usages.values, flat, int(costs_ptr[-1]))
+
+
+def row_subset(rows: MemoryRows, selected: np.ndarray) -> MemoryRows:
+    """The rows `selected` (indices) alone: a relaxation of the memory constraint. Each term
+    covers the selected rows inside its range (none when first > last)."""
+    selected = np.sort(np.asarray(selected, dtype=np.int64))
+    first = np.searchsorted(selected, rows.first, side="left")
+    last = np.searchsorted(selected, rows.last, side="right") - 1
+    return MemoryRows(rows.points[selected], rows.capacity[selected], first, last)

@@ -19,6 +19,7 @@ candidate strategies per node):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -77,9 +78,9 @@ class _Work:
         self.mat: dict[int, np.ndarray] = {}
         self.next_edge = 0
         self.offset = 0.0
-        for e in range(p.num_edges):
-            u, v = (int(x) for x in p.edge_nodes[e])
-            self.add_edge(u, v, p.edge_matrix(e).copy())
+        sizes, ptr = p.sizes, p.edge_costs.ptr
+        for e, (u, v) in enumerate(p.edge_nodes.tolist()):
+            self.add_edge(u, v, p.edge_costs.values[ptr[e]:ptr[e + 1]].reshape(sizes[u], sizes[v]).copy())
         m = p.memory
         self.lo, self.hi = m.lo.copy(), m.hi.copy()
         self.use = [m.usages.row(t).copy() for t in range(len(m))]
@@ -183,27 +184,46 @@ class _Work:
         self.terms[v] = kept
 
 
-def presolve(problem: StrategyProblem, dominance_passes: int = 3) -> Presolved:
-    """Reduce `problem` exactly (see the module docstring).
+def presolve(problem: StrategyProblem, dominance_passes: int = 3, deadline: float | None = None) -> Presolved:
+    """Reduce `problem` exactly (see the module docstring). Past `deadline` (perf_counter
+    seconds) it stops reducing and returns the problem as reduced so far (still exact: every
+    step keeps an optimal assignment); only forbidden strategies are always removed.
 
     Raises:
         Infeasible: the forbidden strategies and pairs admit no assignment at all.
     """
     w = _Work(problem)
-    _run_queue(w)
+    _run_queue(w, deadline)
     for _ in range(dominance_passes):
-        if not _dominance_pass(w):
+        if _late(deadline) or not _dominance_pass(w, deadline):
             break
-        _run_queue(w)
+        _run_queue(w, deadline)
     return _collect(w, problem)
 
 
-def _run_queue(w: _Work) -> None:
+def _late(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
+
+
+def _run_queue(w: _Work, deadline: float | None) -> None:
+    checked = 0
     while w.queue:
         v = w.queue.popleft()
         w.queued[v] = False
         if w.alive[v]:
             _check_node(w, v)
+        checked += 1
+        if checked % 256 == 0 and _late(deadline):
+            _drop_forbidden(w)
+            return
+
+
+def _drop_forbidden(w: _Work) -> None:
+    """Out of time: still remove forbidden strategies (the searches assume finite costs)."""
+    for v in np.flatnonzero(w.alive).tolist():
+        allowed = np.isfinite(w.cost[v])
+        if not allowed.all():
+            w.restrict(v, allowed)
 
 
 def _check_node(w: _Work, v: int) -> None:
@@ -253,9 +273,11 @@ def _check_edge(w: _Work, e: int) -> None:
         w.merge(v, u, e, np.argmax(finite, axis=0))
 
 
-def _dominance_pass(w: _Work) -> bool:
+def _dominance_pass(w: _Work, deadline: float | None) -> bool:
     changed = False
     for v in np.flatnonzero(w.alive):
+        if _late(deadline):
+            break
         keep = _undominated(w, int(v))
         if keep is not None:
             w.restrict(int(v), keep)

@@ -14,7 +14,7 @@ nodes in presolve concatenates their terms.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -91,6 +91,10 @@ class StrategyProblem:
     memory: MemoryTerms
     usage_limit: float | None = None
     name: str = "problem"
+    sizes: np.ndarray = field(init=False, repr=False, compare=False)  # strategies per node (computed once)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", self.costs.lengths)
 
     @property
     def num_nodes(self) -> int:
@@ -99,10 +103,6 @@ class StrategyProblem:
     @property
     def num_edges(self) -> int:
         return len(self.edge_nodes)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return self.costs.lengths
 
     def edge_matrix(self, e: int) -> np.ndarray:
         u, v = self.edge_nodes[e]
