@@ -117,25 +117,53 @@ def solve_problem_file(
     out: Annotated[str, typer.Option(help="Solution file to write (JSON).")] = "solution.json",
     solver: Annotated[str, typer.Option(help="MIP backend: highs or cbc.")] = "highs",
     seed: Annotated[int, typer.Option(help="Seed of the randomized search.")] = 0,
+    workers: Annotated[int, typer.Option(help="Processes: 2 runs memory prices and the MIP side at once.")] = 2,
+    lockstep: Annotated[bool, typer.Option(help="Trade plans between workers at fixed epochs (repeatable).")] = False,
 ) -> None:
-    """Solve an intra-op sharding problem given as arrays (IOPDDL format) and write the chosen strategies."""
+    """Solve an intra-op sharding problem given as arrays (IOPDDL format) and write the chosen strategies.
+
+    The best plan so far is kept in --out while the search runs, so an interrupted run (SIGTERM,
+    Ctrl-C) leaves its last good plan there."""
+    import os
+    import signal
     import time
 
-    from meshplan.intra.iopddl import read_iopddl, solution_to_json
+    from meshplan.intra.iopddl import SolutionWriter, read_iopddl, solution_to_json
     from meshplan.intra.problem_solver import ProblemOptions, solve_problem
 
     start = time.perf_counter()
     problem = read_iopddl(path)
-    spare = 1.0 + 0.02 * time_limit  # for writing the answer and leaving the process
-    left = time_limit - (time.perf_counter() - start) - spare
+    left = time_limit - (time.perf_counter() - start) - _writing_margin(problem)
     if left <= 0:
         raise MeshplanError(f"reading {path!r} took the whole --time-limit of {time_limit:g} s; raise it")
-    solution = solve_problem(problem, ProblemOptions(time_limit=left, backend=solver, seed=seed))
-    write_json_atomic(out, solution_to_json(problem, solution))
+    writer = SolutionWriter(out, problem)
+
+    def interrupted(signum: int, frame: Any) -> None:
+        wrote = writer.flush("interrupted")
+        err.print(f"{problem.name}: interrupted; " + (f"wrote the best plan so far to {out}" if wrote else
+                                                       "no plan found yet, nothing written"))
+        sys.stdout.flush()
+        os._exit(0 if wrote else 1)  # leave now: the search's child processes die with this one
+
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        solution = solve_problem(problem, ProblemOptions(time_limit=left, backend=solver, seed=seed, workers=workers,
+                                                         lockstep=lockstep), on_plan=writer.plan)
+        write_json_atomic(out, solution_to_json(problem, solution))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     cost = "no solution" if solution.cost is None else f"cost {solution.cost:,.0f}"
     bound = "" if solution.bound is None else f", bound {solution.bound:,.0f}"
     Console().print(f"{problem.name}: {solution.status.value}, {cost}{bound} in {time.perf_counter() - start:.1f} s; "
                     f"wrote {out}")
+
+
+def _writing_margin(problem: Any) -> float:
+    """Seconds kept back from the solver for ending: the last plan's cost, the file, leaving the
+    process; proportional to the problem's size (about 1.6 s for 41,000 nodes and 69,000 edges,
+    where a loaded 2-core machine took 0.5 s)."""
+    return 0.5 + 1e-5 * (problem.num_nodes + problem.num_edges)
 
 
 @app.command()

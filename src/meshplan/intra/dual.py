@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.pairwise import PairwiseIndex, ragged_arange
+from meshplan.intra.pairwise import PairwiseIndex
+from meshplan.intra.problem import ragged_arange
 
 
 @dataclass(frozen=True, slots=True)

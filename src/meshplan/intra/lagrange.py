@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.intra.dual import EdgeDual
+from meshplan.intra.lazy_rows import peak_rows
 from meshplan.intra.local_search import improve_feasible, repair
 from meshplan.intra.memory import TermIndex
 from meshplan.intra.pairwise import (
@@ -47,6 +48,7 @@ DUAL_SWEEPS = 4  # star-update sweeps per round (warm: the prices move little be
 POLISH_PASSES = 4  # forest passes per priced plan
 DUAL_MAX_ENTRIES = 20_000_000  # edge-matrix entries
 TIGHTEN_SHARE = 0.08  # of the pricing time, at the end: sweeps at the best bound's prices
+ACTIVE_ROWS = int(__import__("os").environ.get("MESHPLAN_ACTIVE_ROWS", "8"))
 FORESTS = 12  # random induced forests drawn once and reused (drawing one is Python-bound)
 
 
@@ -75,6 +77,7 @@ class MemoryPricing:
         # bound, warm plans only) on problems whose matrices would not fit comfortably in memory
         self.dual = EdgeDual(ix) if len(ix.forward) <= DUAL_MAX_ENTRIES else None
         self.lam = np.zeros(len(self.capacity))
+        self.active = np.zeros(len(self.capacity), dtype=bool)
         self.best = start.copy() if start_fits else None
         self.best_cost = problem.cost_of(start) if start_fits else np.inf
         self.bound, self.bound_prices = -np.inf, self.lam
@@ -109,7 +112,11 @@ class MemoryPricing:
             decoded = segment_argmin(self.ix, self.dual.beliefs(priced))
         self.x = _priced_plan(self.ix, priced, self.x, decoded, self.forests, self.rng)
         excess = self.terms.loads(self.x) - capacity
-        direction = np.where((lam > 0) | (excess > 0), excess, 0.0)
+        if ACTIVE_ROWS:
+            self.active[peak_rows(np.where(self.active, 0.0, excess), ACTIVE_ROWS)] = True
+            direction = np.where(self.active & ((lam > 0) | (excess > 0)), excess, 0.0)
+        else:
+            direction = np.where((lam > 0) | (excess > 0), excess, 0.0)
         norm = float(direction @ direction)
         # the priced plan's Lagrangian value (not a bound: the plan only approximates the
         # priced optimum) sets the step; it tracks the prices' effect faster than the bound

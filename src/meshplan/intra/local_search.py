@@ -175,7 +175,8 @@ def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, cho
             local = class_local_costs(ix, unary, choice, c)
             best = segment_argmin(ix, local)
             now = local[ix.ptr[:-1] + choice]
-            gain = now - local[ix.ptr[:-1] + best]
+            with np.errstate(invalid="ignore"):  # inf - inf: no move
+                gain = now - local[ix.ptr[:-1] + best]
             go = np.flatnonzero((ix.colors == c) & (gain > 1e-12 * np.maximum(np.abs(now), 1.0)))
             old = choice[go].copy()
             choice[go] = best[go]

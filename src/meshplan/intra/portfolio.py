@@ -36,7 +36,7 @@ import numpy as np
 PRICING_EPOCH = 4  # pricing rounds per lockstep epoch
 CHILD_EPOCH = 20  # checkpoints of the child (HiGHS interrupt callbacks, LNS windows) per epoch
 POLL_SECONDS = 0.1  # without lockstep, how often the child looks for plans
-STOP_GRACE = 1.0  # seconds the child gets to leave after being asked, before it is killed
+STOP_GRACE = 1.0  # seconds a child that said it finished gets to exit, before it is killed
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +99,7 @@ class Channel:
         """Plans still in the pipe, waiting up to `timeout` for the peer to finish."""
         plans = []
         end = time.perf_counter() + timeout
-        while not self.peer_done and time.perf_counter() < end:
-            if not self._poll(max(0.0, end - time.perf_counter())):
-                break
+        while not self.peer_done and self._poll(max(0.0, end - time.perf_counter())):
             plans += self._take()
         return plans
 
@@ -191,16 +189,15 @@ class Child:
         child_end.close()
 
     def stop(self) -> ChildResult:
-        """Ask the child to finish, collect what it sent, and make sure it is gone."""
+        """Collect what the child sent and end it at once: it sent its plans as it found them,
+        and HiGHS, deep in a long LP, can take seconds to notice a polite request."""
         plans = self.channel.drain(0.0)
-        if self.process.is_alive() and not self.channel.peer_done:
-            with contextlib.suppress(OSError):
-                os.kill(self.process.pid, signal.SIGTERM)
-            plans += self.channel.drain(STOP_GRACE)
-        self.process.join(STOP_GRACE if self.process.is_alive() else None)
+        if self.channel.peer_done:
+            self.process.join(STOP_GRACE)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        plans += self.channel.drain(0.0)
         c = self.channel
         return ChildResult(plans, c.peer_bound, c.peer_optimal, c.peer_error)
 

@@ -135,6 +135,16 @@ class StrategyProblem:
         return self.usage_limit is None or self.peak_usage(choice) <= self.usage_limit
 
 
+def ragged_arange(lengths: np.ndarray) -> np.ndarray:
+    """[0 .. lengths[0]-1, 0 .. lengths[1]-1, ...] as one array."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+
+
 def step_profile(lo: np.ndarray, hi: np.ndarray, amount: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The piecewise-constant sum of `amount[t]` over [lo[t], hi[t]): (change points, values)."""
     points = np.concatenate([lo, hi])

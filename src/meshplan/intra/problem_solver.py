@@ -47,7 +47,7 @@ PRICING_SHARE = 0.7  # one worker, large problems: of the time left, for memory 
 PRICING_FIRST = 0.25  # one worker, MIP-sized problems: at most this share for prices before the MIP
 PRICING_FIRST_ROUNDS = 40  # ... and at most this many rounds
 QUICK_MIP_COLUMNS = 20_000  # one worker: MIPs this small go first (HiGHS solves them in moments)
-PRESOLVE_SHARE = 0.4  # presolve stops reducing after this share of the time limit
+PRESOLVE_SHARE = 0.6  # presolve stops reducing after this share of the time limit
 ROUND_MARGIN = 1.5  # a round starts only if 1.5 times the longest round so far still fits
 
 
@@ -222,8 +222,10 @@ def _search(problem: StrategyProblem, pre: Presolved, rows: MemoryRows, start: f
     best = _Best(pre, on_plan)
     greedy = least_memory_choice(q, rows)
     fits = setting.fits(greedy)
-    if fits:
+    if fits:  # moves that keep memory within the limit also leave forbidden pairs behind
         improve_feasible(ix, terms, q.costs.values, greedy)
+        fits = bool(np.isfinite(q.cost_of(greedy)))
+    if fits:
         best.offer(greedy, q.cost_of(greedy), "greedy")
         stats.update(heuristic_cost=q.cost_of(greedy) + pre.offset, heuristic_s=time.perf_counter() - start)
     columns = _mip_columns(q)
@@ -234,7 +236,7 @@ def _search(problem: StrategyProblem, pre: Presolved, rows: MemoryRows, start: f
     if options.workers >= 2 and can_fork():
         found = _portfolio(setting, pricing, best, small, stats, rng)
     else:
-        found = _one_worker(setting, pricing, best, small, stats, rng, quick=columns <= QUICK_MIP_COLUMNS)
+        found = _one_worker(setting, pricing, best, small, stats, rng, quick=small and columns <= QUICK_MIP_COLUMNS)
     stats.update(price_rounds=pricing.rounds, price_wins=pricing.improvements, best_from=best.source)
     if best.choice is None:
         bound = found.bound + pre.offset if np.isfinite(found.bound) else None
@@ -343,7 +345,7 @@ def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bo
     finally:
         result = child.stop()
     _adopt(setting, pricing, best, result.plans, "exact")
-    stats.update(exact_side="mip" if small else "windows", exact_bound=result.bound)
+    stats.update(exact_side="mip" if small else "windows", exact_bound=result.bound + setting.pre.offset)
     if result.error:
         stats["exact_error"] = result.error.strip().splitlines()[-1]
     bound = max(pricing.bound, result.bound)
