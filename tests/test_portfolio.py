@@ -96,8 +96,9 @@ def test_interrupted_command_leaves_its_last_good_plan(tmp_path):
     problem_file, out = tmp_path / "p.json", tmp_path / "s.json"
     problem_file.write_text(json.dumps(raw))
     env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshplan.cli", "solve-problem", str(problem_file), "--out", str(out),
-                             "--time-limit", "300"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "meshplan.cli", "solve-problem", str(problem_file), "--out", str(out),
+               "--time-limit", "300"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         waited = time.perf_counter()
         while not out.exists() and time.perf_counter() - waited < 120:  # the first plan is written as found

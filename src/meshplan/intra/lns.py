@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.lazy_rows import Hooks, NoHooks
+from meshplan.intra.lazy_rows import Hooks, NoHooks, solve_lazy
 from meshplan.intra.local_search import Incumbent
 from meshplan.intra.memory import MemoryRows
-from meshplan.intra.mip import Block, build_mip, solve_mip
+from meshplan.intra.mip import Block, MipOutcome, build_mip, solve_mip
 from meshplan.intra.problem import Ragged
+
+LAZY_WINDOW_ROWS = 400  # windows with more memory rows than this add them lazily (`lazy_rows`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +37,11 @@ def run_lns(inc: Incumbent, deadline: float, rng: np.random.Generator, window: i
     better plan and offer plans found elsewhere (taken when better)."""
     hooks = hooks or NoHooks()
     windows = improved = 0
-    while time.perf_counter() + 0.2 < deadline:
+    overhead = 0.2  # seconds a window takes beyond its sub-MIP's limit (building, applying): the most seen
+    while time.perf_counter() + overhead < deadline:
+        began = time.perf_counter()
         nodes = _graph_window(inc, rng, window) if windows % 2 == 0 else _memory_window(inc, rng, window)
-        limit = min(sub_time, deadline - time.perf_counter())
+        limit = min(sub_time, deadline - time.perf_counter() - overhead)
         before = inc.cost
         result = _reoptimize(inc, nodes, limit)
         windows += 1
@@ -51,6 +55,7 @@ def run_lns(inc: Incumbent, deadline: float, rng: np.random.Generator, window: i
         offered = hooks.offered()
         if offered is not None and offered[1] < inc.cost:
             inc.reset(offered[0])
+        overhead = max(overhead, time.perf_counter() - began - limit)
     return LnsStats(windows, improved, window)
 
 
@@ -93,7 +98,11 @@ def _memory_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.nd
 def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
     block, start = window_block(inc, nodes)
     before = block_cost(block, start)
-    outcome = solve_mip(build_mip(block), time_limit, start)
+    if len(block.rows) > LAZY_WINDOW_ROWS:
+        lazy = solve_lazy(block, start, time.perf_counter() + time_limit)
+        outcome = MipOutcome(lazy.choice, lazy.cost, lazy.bound, lazy.optimal, False, 0.0)
+    else:
+        outcome = solve_mip(build_mip(block), time_limit, start)
     if outcome.choice is None:
         return "timeout"
     after = block_cost(block, outcome.choice)

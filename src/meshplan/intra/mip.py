@@ -296,6 +296,7 @@ def _run_highs(model: MipModel, time_limit: float, start: np.ndarray | None, mip
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", int(threads))
     h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    h.setOptionValue("presolve", "off")  # slow on these models, see lazy_rows
     h.passModel(_highs_lp(highspy, model))
     if start is not None:
         h.setSolution(len(model.cost), np.arange(len(model.cost), dtype=np.int32), model.start_values(start))

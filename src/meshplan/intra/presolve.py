@@ -78,6 +78,7 @@ class _Work:
         self.next_edge = 0
         self.offset = 0.0
         self.clean: set[int] = set()  # edges checked since their matrix last changed
+        self.touched: set[int] | None = None  # nodes changed since the last dominance pass (None: all)
         peeled = _bulk_peel(p)
         flat = peeled.node_costs
         self.cost = [flat[p.costs.ptr[v]:p.costs.ptr[v + 1]].copy() for v in range(n)]
@@ -130,6 +131,8 @@ class _Work:
         self.push(v)
 
     def push(self, v: int) -> None:
+        if self.touched is not None:
+            self.touched.add(v)
         if self.alive[v] and not self.queued[v]:
             self.queued[v] = True
             self.queue.append(v)
@@ -421,8 +424,12 @@ def _bulk_peel(p: StrategyProblem) -> _BulkPeel:
 
 
 def _dominance_pass(w: _Work, deadline: float | None) -> bool:
+    """Dominated strategies out of every node (first pass) or of the nodes that changed since
+    the last pass (later ones: nothing else can have gained a dominated strategy)."""
     changed = False
-    for v in np.flatnonzero(w.alive):
+    nodes = np.flatnonzero(w.alive) if w.touched is None else sorted(v for v in w.touched if w.alive[v])
+    w.touched = set()
+    for v in nodes:
         if _late(deadline):
             break
         keep = _undominated(w, int(v))
@@ -437,17 +444,20 @@ def _undominated(w: _Work, v: int) -> np.ndarray | None:
     k = len(w.cost[v])
     parts = [w.cost[v][:, None]] + [w.use[t][:, None] for t in w.terms[v]]
     parts += [w.oriented(e, v) for e in w.adj[v].values()]
-    if sum(p.shape[1] for p in parts) * k > DOMINANCE_WIDTH * 8:
+    if k == 1 or sum(p.shape[1] for p in parts) * k > DOMINANCE_WIDTH * 8:
         return None
     table = np.hstack(parts)
     order = np.lexsort((np.arange(k), table.sum(axis=1, where=np.isfinite(table)), w.cost[v]))
-    keep = np.ones(k, dtype=bool)
-    for a in order[:DOMINANCE_CANDIDATES]:
-        if not keep[a]:
-            continue
-        beaten = np.all(table[a] <= table, axis=1)
-        beaten[a] = False
-        keep &= ~beaten
+    rank = np.empty(k, dtype=np.int64)
+    rank[order] = np.arange(k)
+    candidates = order[:DOMINANCE_CANDIDATES]
+    # all candidates at once: a beats b when no worse anywhere and better somewhere, or equal
+    # and earlier in the order (a strict order, so removing everything beaten keeps one of
+    # every group of equals and, by transitivity, equals comparing candidates one at a time)
+    rows = table[candidates][:, None, :]
+    no_worse = (rows <= table[None, :, :]).all(axis=2)
+    better = (rows < table[None, :, :]).any(axis=2) | (rank[candidates][:, None] < rank[None, :])
+    keep = ~(no_worse & better).any(axis=0)
     return None if keep.all() else keep
 
 
