@@ -8,7 +8,7 @@ Cases:
   wall time of the whole process (reading, solving, writing) against the limit, the cost
   against the best known, the proven bound, every plan re-scored by the independent scorer
   of the tests.
-- generated: random instances with the contest's structure (`meshplan.intra.generate`), each
+- generated: random instances with the contest's structure (`meshplan.intra.problem.generate`), each
   solved exactly by the MIP and by the search alone (memory prices and windows in two
   processes, no whole MIP) at a short limit: the distribution of the search's gap.
 - llama80-train-2d/3d: an unshared 80-layer LLaMA2-70B training step (embedding, blocks, LM
@@ -89,7 +89,7 @@ def generated_shape(seed: int):
     memory limit from tight to loose."""
     import numpy as np
 
-    from meshplan.intra.generate import GeneratorOptions
+    from meshplan.intra.problem.generate import GeneratorOptions
 
     rng = np.random.default_rng(10_000 + seed)
     return GeneratorOptions(layers=int(rng.integers(3, 17)), ops_per_layer=int(rng.integers(2, 6)),
@@ -102,8 +102,8 @@ def generated_case(count: int, scale: float) -> dict:
     import numpy as np
 
     from meshplan.intra import ProblemOptions, SolveStatus, solve_problem
-    from meshplan.intra.generate import random_instance
-    from meshplan.intra.iopddl import problem_from_iopddl
+    from meshplan.intra.problem.generate import random_instance
+    from meshplan.intra.problem.iopddl import problem_from_iopddl
 
     sys.path.insert(0, str(ROOT / "tests"))
     from iopddl_score import score
@@ -162,7 +162,7 @@ def llama_training_graph(layers: int = 80, batch: int = 2, seq: int = 2048):
 def llama_case(mesh_name: str, scale: float) -> dict:
     from meshplan import IntraOptions, LogicalMesh
     from meshplan.intra import ProblemOptions, solve_problem
-    from meshplan.intra.graph_problem import graph_problem
+    from meshplan.intra.problem.graph_problem import graph_problem
     from meshplan.intra.solve import build_strategies
 
     shape = MESHES[mesh_name]
@@ -194,8 +194,8 @@ def synthetic_case(nodes: int, scale: float) -> dict:
     chain of the memory constraint over every (term, strategy)."""
     import numpy as np
 
-    from meshplan.intra.memory import chain_block, memory_rows
-    from meshplan.intra.problem import strategy_problem
+    from meshplan.intra.problem.arrays import strategy_problem
+    from meshplan.intra.problem.memory import chain_block, memory_rows
 
     rng = np.random.default_rng(0)
     sizes = rng.integers(8, 17, size=nodes)

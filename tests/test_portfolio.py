@@ -17,8 +17,8 @@ import pytest
 
 from iopddl_score import FORBIDDEN_AT, peak_usage, score
 from meshplan.intra import ProblemOptions, SolveStatus, solve_problem
-from meshplan.intra.generate import GeneratorOptions, random_instance
-from meshplan.intra.iopddl import problem_from_iopddl
+from meshplan.intra.problem.generate import GeneratorOptions, random_instance
+from meshplan.intra.problem.iopddl import problem_from_iopddl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,10 @@ import pytest
 
 from iopddl_score import FORBIDDEN_AT, load, peak_usage, score
 from meshplan.intra import ProblemOptions, SolveStatus, solve_problem, strategy_problem
-from meshplan.intra.iopddl import problem_from_iopddl, read_iopddl
-from meshplan.intra.memory import memory_rows
-from meshplan.intra.presolve import presolve
-from meshplan.intra.problem import ProblemError
+from meshplan.intra.problem.arrays import ProblemError
+from meshplan.intra.problem.iopddl import problem_from_iopddl, read_iopddl
+from meshplan.intra.problem.memory import memory_rows
+from meshplan.intra.problem.presolve import presolve
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"  # ../shared beside the repo
 BEST_KNOWN = {"B": 532_843, "S": 1_521_949_307, "U": 2_443_995_952}
@@ -171,7 +171,7 @@ def test_large_shared_instances_are_feasible_quickly(name):
 
 
 def test_solution_file_round_trips(tmp_path):
-    from meshplan.intra.iopddl import solution_to_json
+    from meshplan.intra.problem.iopddl import solution_to_json
 
     p = read_iopddl(SHARED / "example.json")
     data = solution_to_json(p, solve_problem(p))

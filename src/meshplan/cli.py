@@ -128,8 +128,8 @@ def solve_problem_file(
     import signal
     import time
 
-    from meshplan.intra.iopddl import SolutionWriter, read_iopddl, solution_to_json
-    from meshplan.intra.problem_solver import ProblemOptions, solve_problem
+    from meshplan.intra.problem.iopddl import SolutionWriter, read_iopddl, solution_to_json
+    from meshplan.intra.search.problem_solver import ProblemOptions, solve_problem
 
     start = time.perf_counter() - _seconds_since_process_start()  # the limit counts Python's start too
     problem = read_iopddl(path)

@@ -30,16 +30,16 @@ from typing import Any
 import numpy as np
 
 from meshplan.errors import OptionsError
-from meshplan.intra.lagrange import MemoryPricing
-from meshplan.intra.lazy_rows import solve_lazy
-from meshplan.intra.lns import run_lns
-from meshplan.intra.local_search import Incumbent, improve_feasible, least_memory_choice
-from meshplan.intra.memory import MemoryRows, TermIndex, memory_rows, term_index
-from meshplan.intra.mip import Block, MipModel, build_mip
-from meshplan.intra.pairwise import PairwiseIndex, icm_sweep, pairwise_index, segment_argmin
-from meshplan.intra.portfolio import Channel, ChannelHooks, Child, can_fork
-from meshplan.intra.presolve import Infeasible, Presolved, presolve
-from meshplan.intra.problem import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.memory import MemoryRows, TermIndex, memory_rows, term_index
+from meshplan.intra.problem.presolve import Infeasible, Presolved, presolve
+from meshplan.intra.search.lagrange import MemoryPricing
+from meshplan.intra.search.lazy_rows import solve_lazy
+from meshplan.intra.search.lns import run_lns
+from meshplan.intra.search.local_search import Incumbent, improve_feasible, least_memory_choice
+from meshplan.intra.search.mip import Block, MipModel, build_mip
+from meshplan.intra.search.pairwise import PairwiseIndex, icm_sweep, pairwise_index, segment_argmin
+from meshplan.intra.search.portfolio import Channel, ChannelHooks, Child, can_fork
 from meshplan.intra.solvers import SolveStatus
 
 BACKENDS = ("highs", "cbc")
@@ -379,7 +379,7 @@ def _solve_whole_with_cbc(problem: StrategyProblem, setting: _Setting, best: _Be
 
 
 def _solve_with_cbc(model: MipModel, time_limit: float, mip_gap: float):
-    from meshplan.intra.mip import MipOutcome
+    from meshplan.intra.search.mip import MipOutcome
     from meshplan.intra.solvers import solve_program
 
     result = solve_program(model.to_linear_program(), "cbc", time_limit, mip_gap)

@@ -24,8 +24,8 @@ from typing import Protocol
 
 import numpy as np
 
-from meshplan.intra.memory import row_loads, row_subset
-from meshplan.intra.mip import Block, MipModel, build_mip, edge_part
+from meshplan.intra.problem.memory import row_loads, row_subset
+from meshplan.intra.search.mip import Block, MipModel, build_mip, edge_part
 from meshplan.intra.solvers import quiet_highs
 
 ROWS_PER_ROUND = 8  # rows added after each violation (local peaks of the excess first)
@@ -178,7 +178,7 @@ class _Run:
     def solve(self, time_limit: float, mip_gap: float, warm: bool = True) -> bool:
         import highspy
 
-        from meshplan.intra.mip import _highs_lp
+        from meshplan.intra.search.mip import _highs_lp
 
         h = quiet_highs()
         h.setOptionValue("time_limit", max(float(time_limit), 0.01))

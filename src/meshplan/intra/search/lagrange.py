@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.dual import EdgeDual
-from meshplan.intra.lazy_rows import peak_rows
-from meshplan.intra.local_search import improve_feasible, repair
-from meshplan.intra.memory import TermIndex
-from meshplan.intra.pairwise import (
+from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.memory import TermIndex
+from meshplan.intra.search.dual import EdgeDual
+from meshplan.intra.search.lazy_rows import peak_rows
+from meshplan.intra.search.local_search import improve_feasible, repair
+from meshplan.intra.search.pairwise import (
     Forest,
     PairwiseIndex,
     forest_dp,
@@ -41,7 +42,6 @@ from meshplan.intra.pairwise import (
     random_forest,
     segment_argmin,
 )
-from meshplan.intra.problem import StrategyProblem
 
 log = logging.getLogger(__name__)
 DUAL_SWEEPS = 4  # star-update sweeps per round (warm: the prices move little between rounds)

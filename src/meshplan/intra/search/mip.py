@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sparse
 
-from meshplan.intra.memory import MemoryRows, chain_block, row_loads
-from meshplan.intra.problem import Ragged
+from meshplan.intra.problem.arrays import Ragged
+from meshplan.intra.problem.memory import MemoryRows, chain_block, row_loads
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import quiet_highs
 

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 
 from meshplan.files import write_json_atomic
-from meshplan.intra.problem import FORBIDDEN, MemoryTerms, ProblemError, Ragged, StrategyProblem, strategy_problem
+from meshplan.intra.problem.arrays import (
+    FORBIDDEN,
+    MemoryTerms,
+    ProblemError,
+    Ragged,
+    StrategyProblem,
+    strategy_problem,
+)
 
 FORBIDDEN_AT = 10**18
 

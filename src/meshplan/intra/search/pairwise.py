@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import StrategyProblem, ragged_arange
+from meshplan.intra.problem.arrays import StrategyProblem, ragged_arange
 
 
 @dataclass(frozen=True, slots=True)

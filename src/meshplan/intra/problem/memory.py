@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import step_profile
+from meshplan.intra.problem.arrays import step_profile
 
 
 @dataclass(frozen=True, slots=True)

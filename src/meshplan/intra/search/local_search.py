@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from meshplan.intra.memory import MemoryRows, TermIndex, row_loads
-from meshplan.intra.pairwise import PairwiseIndex, class_local_costs, icm_sweep, segment_argmin
-from meshplan.intra.problem import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.memory import MemoryRows, TermIndex, row_loads
+from meshplan.intra.search.pairwise import PairwiseIndex, class_local_costs, icm_sweep, segment_argmin
 
 
 class Incumbent:

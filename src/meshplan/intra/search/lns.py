@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.lazy_rows import Hooks, NoHooks, solve_lazy
-from meshplan.intra.local_search import Incumbent
-from meshplan.intra.memory import MemoryRows
-from meshplan.intra.mip import Block, MipOutcome, build_mip, solve_mip
-from meshplan.intra.problem import Ragged
+from meshplan.intra.problem.arrays import Ragged
+from meshplan.intra.problem.memory import MemoryRows
+from meshplan.intra.search.lazy_rows import Hooks, NoHooks, solve_lazy
+from meshplan.intra.search.local_search import Incumbent
+from meshplan.intra.search.mip import Block, MipOutcome, build_mip, solve_mip
 
 LAZY_WINDOW_ROWS = 400  # windows with more memory rows than this add them lazily (`lazy_rows`)
 

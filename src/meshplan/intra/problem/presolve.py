@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import MemoryTerms, Ragged, StrategyProblem, ragged_arange
+from meshplan.intra.problem.arrays import MemoryTerms, Ragged, StrategyProblem, ragged_arange
 
 DOMINANCE_CANDIDATES = 48  # strategies tried as dominators per node: bounds the work per node
 DOMINANCE_WIDTH = 20_000  # nodes with wider comparison profiles (huge neighbourhoods) are skipped
