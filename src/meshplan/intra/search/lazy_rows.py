@@ -67,6 +67,8 @@ class LazyOutcome:
     infeasible: bool
     runs: int
     rows: int
+    columns: int = 0  # size of the last MIP (for reports)
+    constraints: int = 0
 
 
 def solve_lazy(block: Block, start: np.ndarray | None, deadline: float, hooks: Hooks | None = None,
@@ -82,6 +84,7 @@ def solve_lazy(block: Block, start: np.ndarray | None, deadline: float, hooks: H
     while time.perf_counter() < deadline - 0.05:
         runs += 1
         model = build_mip(replace(block, rows=row_subset(block.rows, selected)), edges)
+        state.size = (model.num_cols, model.num_rows)
         run = _Run(model, state, selected)
         optimal = run.solve(deadline - time.perf_counter(), mip_gap, warm)
         if run.new_rows is not None:
@@ -112,6 +115,7 @@ class _State:
         self.best: np.ndarray | None = None
         self.best_cost = np.inf
         self.bound = -np.inf
+        self.size = (0, 0)
 
     def cost(self, choice: np.ndarray) -> float:
         b = self.block
@@ -146,7 +150,7 @@ class _State:
 
     def outcome(self, optimal: bool, runs: int, rows: int, infeasible: bool = False) -> LazyOutcome:
         bound = self.best_cost if optimal else self.bound
-        return LazyOutcome(self.best, float(self.best_cost), float(bound), optimal, infeasible, runs, rows)
+        return LazyOutcome(self.best, float(self.best_cost), float(bound), optimal, infeasible, runs, rows, *self.size)
 
 
 def peak_rows(excess: np.ndarray, count: int) -> np.ndarray:

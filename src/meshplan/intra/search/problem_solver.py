@@ -230,6 +230,8 @@ def _search(problem: StrategyProblem, pre: Presolved, rows: MemoryRows, start: f
         stats.update(heuristic_cost=q.cost_of(greedy) + pre.offset, heuristic_s=time.perf_counter() - start)
     columns = _mip_columns(q)
     small = columns <= options.full_mip_columns
+    if small:
+        stats["mip_columns"] = columns
     if options.backend == "cbc" and small:
         return _solve_whole_with_cbc(problem, setting, best, stats)
     pricing = MemoryPricing(q, ix, terms, greedy, fits, rng)
@@ -309,7 +311,7 @@ def _one_worker(setting: _Setting, pricing: MemoryPricing, best: _Best, small: b
         out = solve_lazy(_block(setting), best.choice, deadline, hints=(_cheap_plan(setting), pricing.x),
                          mip_gap=setting.options.mip_gap)
         best.offer(out.choice, out.cost, "mip")
-        stats.update(mip_runs=out.runs, mip_rows=out.rows)
+        stats.update(mip_rows=out.constraints, lazy_runs=out.runs, lazy_rows=out.rows)
         return _Found(max(pricing.bound, out.bound), out.optimal and out.cost <= best.cost, out.infeasible)
     if best.choice is None:
         return _Found(pricing.bound)
