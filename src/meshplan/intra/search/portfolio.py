@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -55,9 +56,10 @@ class Message:
 class Channel:
     """One end of the pipe between the two sides, with the epoch discipline of lockstep mode."""
 
-    def __init__(self, conn, lockstep: bool, epoch_length: int, poll_seconds: float = 0.0) -> None:
+    def __init__(self, conn, lockstep: bool, epoch_length: int, deadline: float, poll_seconds: float = 0.0) -> None:
         self.conn, self.lockstep, self.epoch_length, self.poll_seconds = conn, lockstep, epoch_length, poll_seconds
-        self.epoch = 0
+        self.deadline = deadline  # no waiting for the peer past it
+        self.epoch = self.peer_epoch = 0
         self.checkpoints = 0
         self.peer_done = False
         self.peer_bound = -np.inf
@@ -119,13 +121,13 @@ class Channel:
     def _take(self) -> list[np.ndarray]:
         try:
             message = self.conn.recv()
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # a peer killed mid-message
             self.peer_done = True
             return []
         self.peer_bound = max(self.peer_bound, message.bound)
         if message.done:
             self.peer_done, self.peer_optimal, self.peer_error = True, message.optimal, message.error
-        self._peer_epoch = message.epoch
+        self.peer_epoch = message.epoch
         return [] if message.plan is None else [message.plan]
 
     def _receive(self, wait_for: int | None) -> list[np.ndarray]:
@@ -135,14 +137,12 @@ class Channel:
                 plans += self._take()
             return plans
         while not self.peer_done:  # lockstep: wait for the peer's message of this epoch
-            if not self._poll(None):
+            if not self._poll(max(0.0, self.deadline - time.perf_counter())):
                 break
             plans += self._take()
-            if self._peer_epoch >= wait_for:
+            if self.peer_epoch >= wait_for:
                 break
         return plans
-
-    _peer_epoch: int = 0
 
 
 class ChannelHooks:
@@ -183,7 +183,7 @@ class Child:
     def __init__(self, work: Callable, deadline: float, lockstep: bool) -> None:
         context = multiprocessing.get_context("fork")
         parent_end, child_end = context.Pipe(duplex=True)
-        self.channel = Channel(parent_end, lockstep, PRICING_EPOCH)
+        self.channel = Channel(parent_end, lockstep, PRICING_EPOCH, deadline)
         self.process = context.Process(target=_child_main, args=(work, child_end, deadline, lockstep), daemon=True)
         self.process.start()
         child_end.close()
@@ -204,7 +204,7 @@ class Child:
 
 def _child_main(work: Callable, conn, deadline: float, lockstep: bool) -> None:
     _die_with_parent()
-    channel = Channel(conn, lockstep, CHILD_EPOCH, POLL_SECONDS)
+    channel = Channel(conn, lockstep, CHILD_EPOCH, deadline, POLL_SECONDS)
 
     def leave(signum, frame):  # asked to stop: the plans were sent as they were found
         channel.finish(None, -np.inf, False)
