@@ -66,12 +66,20 @@ def _regret(inc: Incumbent, v: int) -> float:
 
 
 def _graph_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A graph ball around the costliest of 16 sampled nodes (cost above its best given its
+    neighbours); when the ball's component is exhausted, another ball from a random node (the
+    components are tied by memory alone, which a window must be able to trade)."""
     n = inc.problem.num_nodes
     probes = rng.integers(0, n, size=min(n, 16))
     seed = int(max(probes, key=lambda v: _regret(inc, int(v))))
     seen = {seed}
     frontier = [seed]
-    while frontier and len(seen) < size:
+    others = iter(rng.permutation(n).tolist())
+    while len(seen) < min(size, n):
+        if not frontier:
+            frontier = [next(v for v in others if v not in seen)]
+            seen.add(frontier[0])
+            continue
         nxt = []
         for v in frontier:
             for w, _, _ in inc.neighbours[v]:
@@ -84,12 +92,19 @@ def _graph_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.nda
 
 
 def _memory_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.ndarray:
+    """The nodes live at a row with little slack (a binding row), widened to the rows around it
+    until the window is full (a random subset when one row alone has more)."""
     rows, m = inc.rows, inc.problem.memory
     if len(rows) == 0 or len(m) == 0:
         return _graph_window(inc, rng, size)
     tight = np.argsort(inc.slack)[:max(1, len(rows) // 50)]
     r = int(rng.choice(tight))
-    live = np.unique(m.node[(rows.first <= r) & (rows.last >= r)])
+    reach = 0
+    while True:
+        live = np.unique(m.node[(rows.first <= r + reach) & (rows.last >= r - reach)])
+        if len(live) >= size or reach >= len(rows):
+            break
+        reach = 2 * reach + 1
     if len(live) > size:
         live = rng.choice(live, size=size, replace=False)
     return np.sort(live)
