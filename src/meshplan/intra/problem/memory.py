@@ -173,3 +173,17 @@ def row_subset(rows: MemoryRows, selected: np.ndarray) -> MemoryRows:
     first = np.searchsorted(selected, rows.first, side="left")
     last = np.searchsorted(selected, rows.last, side="right") - 1
     return MemoryRows(rows.points[selected], rows.capacity[selected], first, last)
+
+
+def peak_rows(excess: np.ndarray, count: int) -> np.ndarray:
+    """Up to `count` violated rows, largest excess first, skipping rows next to one already
+    taken (neighbouring rows share most of their terms, so one of them stands for the rest)."""
+    violated = np.flatnonzero(excess > 0)
+    spacing = max(1, len(excess) // (8 * count))
+    taken: list[int] = []
+    for r in violated[np.argsort(-excess[violated], kind="stable")].tolist():
+        if all(abs(r - t) > spacing for t in taken):
+            taken.append(r)
+            if len(taken) == count:
+                break
+    return np.array(taken, dtype=np.int64)

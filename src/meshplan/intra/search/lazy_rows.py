@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from meshplan.intra.problem.memory import row_loads, row_subset
+from meshplan.intra.problem.memory import peak_rows, row_loads, row_subset
 from meshplan.intra.search.mip import Block, MipModel, build_mip, edge_part
 from meshplan.intra.solvers import quiet_highs
 
@@ -117,13 +117,6 @@ class _State:
         self.bound = -np.inf
         self.size = (0, 0)
 
-    def cost(self, choice: np.ndarray) -> float:
-        b = self.block
-        total = float(b.costs.values[b.costs.ptr[:-1] + choice].sum()) + b.offset
-        for (u, v), m in zip(b.edges.tolist(), b.matrices, strict=True):
-            total += float(m[choice[u], choice[v]])
-        return total
-
     def excess(self, choice: np.ndarray) -> np.ndarray:
         b = self.block
         use = b.usage.values[b.usage.ptr[:-1] + choice[b.term_node]] if len(b.term_node) else np.zeros(0)
@@ -131,7 +124,7 @@ class _State:
 
     def offer(self, choice: np.ndarray, report: bool = False) -> bool:
         """Keep `choice` if it fits every row and beats the best; report it to the hooks."""
-        cost = self.cost(choice)
+        cost = self.block.cost_of(choice)
         if not cost < self.best_cost - _tolerance(cost) or (self.excess(choice) > 0).any():
             return False
         self.best, self.best_cost = choice.copy(), cost
@@ -151,20 +144,6 @@ class _State:
     def outcome(self, optimal: bool, runs: int, rows: int, infeasible: bool = False) -> LazyOutcome:
         bound = self.best_cost if optimal else self.bound
         return LazyOutcome(self.best, float(self.best_cost), float(bound), optimal, infeasible, runs, rows, *self.size)
-
-
-def peak_rows(excess: np.ndarray, count: int) -> np.ndarray:
-    """Up to `count` violated rows, largest excess first, skipping rows next to one already
-    taken (neighbouring rows share most of their terms, so one of them stands for the rest)."""
-    violated = np.flatnonzero(excess > 0)
-    spacing = max(1, len(excess) // (8 * count))
-    taken: list[int] = []
-    for r in violated[np.argsort(-excess[violated], kind="stable")].tolist():
-        if all(abs(r - t) > spacing for t in taken):
-            taken.append(r)
-            if len(taken) == count:
-                break
-    return np.array(taken, dtype=np.int64)
 
 
 class _Run:

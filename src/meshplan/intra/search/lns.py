@@ -112,7 +112,7 @@ def _memory_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.nd
 
 def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
     block, start = window_block(inc, nodes)
-    before = block_cost(block, start)
+    before = block.cost_of(start)
     if len(block.rows) > LAZY_WINDOW_ROWS:
         lazy = solve_lazy(block, start, time.perf_counter() + time_limit)
         outcome = MipOutcome(lazy.choice, lazy.cost, lazy.bound, lazy.optimal, False, 0.0)
@@ -120,7 +120,7 @@ def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
         outcome = solve_mip(build_mip(block), time_limit, start)
     if outcome.choice is None:
         return "timeout"
-    after = block_cost(block, outcome.choice)
+    after = block.cost_of(outcome.choice)
     status = "same" if outcome.optimal else "timeout"
     if after < before - 1e-9 * max(abs(before), 1.0) and _apply(inc, nodes, outcome.choice):
         return "improved" if outcome.optimal else "timeout"
@@ -183,10 +183,3 @@ def _window_rows(inc: Incumbent, terms: np.ndarray) -> MemoryRows:
     seg_first = np.searchsorted(cuts, first)
     seg_last = np.searchsorted(cuts, last + 1) - 1
     return MemoryRows(cuts[:-1], capacity, seg_first, seg_last)
-
-
-def block_cost(block: Block, choice: np.ndarray) -> float:
-    total = float(block.costs.values[block.costs.ptr[:-1] + choice].sum()) + block.offset
-    for (u, v), m in zip(block.edges.tolist(), block.matrices, strict=True):
-        total += float(m[choice[u], choice[v]])
-    return total

@@ -49,6 +49,13 @@ class Block:
     def sizes(self) -> np.ndarray:
         return self.costs.lengths
 
+    def cost_of(self, choice: np.ndarray) -> float:
+        """Node and edge costs of an assignment of the block's nodes, plus its offset."""
+        total = float(self.costs.values[self.costs.ptr[:-1] + choice].sum()) + self.offset
+        for (u, v), m in zip(self.edges.tolist(), self.matrices, strict=True):
+            total += float(m[choice[u], choice[v]])
+        return total
+
 
 @dataclass(frozen=True, slots=True)
 class _EdgeVars:
