@@ -86,7 +86,7 @@ def random_instance(seed: int, options: GeneratorOptions | None = None) -> dict:
         "name": f"generated-{seed}",
         "nodes": {"intervals": [list(iv) for iv in intervals], "costs": [c.tolist() for c in node_costs],
                   "usages": [u.tolist() for u in usages]},
-        "edges": {"nodes": [list(e) for e in edges], "costs": [m.ravel().tolist() for m in matrices]},
+        "edges": {"nodes": [list(e) for e in edges], "costs": [m.astype(np.int64).ravel().tolist() for m in matrices]},
         "usage_limit": int(limit)}}
 
 
