@@ -48,6 +48,7 @@ PRICING_FIRST = 0.25  # one worker, MIP-sized problems: at most this share for p
 PRICING_FIRST_ROUNDS = 40  # ... and at most this many rounds
 QUICK_MIP_COLUMNS = 20_000  # one worker: MIPs this small go first (HiGHS solves them in moments)
 PRESOLVE_SHARE = 0.6  # presolve stops reducing after this share of the time limit
+END_SHARE = 0.01  # of the time limit, kept for ending
 ROUND_MARGIN = 1.5  # a round starts only if 1.5 times the longest round so far still fits
 
 
@@ -134,7 +135,7 @@ def solve_problem(problem: StrategyProblem, options: ProblemOptions | None = Non
     """
     options = options or ProblemOptions()
     start = time.perf_counter()
-    deadline = start + options.time_limit
+    deadline = start + options.time_limit * (1 - END_SHARE) - 0.02  # the end: stop the child, expand the plan
     stats: dict[str, Any] = {"nodes": problem.num_nodes, "edges": problem.num_edges}
     try:
         pre = presolve(problem, deadline=start + PRESOLVE_SHARE * options.time_limit)
