@@ -129,13 +129,17 @@ def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
 
 def _apply(inc: Incumbent, nodes: np.ndarray, choice: np.ndarray) -> bool:
     """Apply the window's new choice if it keeps every row within capacity (exactly)."""
-    old = inc.choice[nodes].copy()
+    old, cost = inc.choice[nodes].copy(), inc.cost
     for v, c in zip(nodes.tolist(), choice.tolist(), strict=True):
         inc.move(v, c)
     if inc.feasible:
+        # moved one node at a time, the running cost may have met a forbidden pair halfway
+        # (inf - inf): the window's new cost is known exactly, so recompute it
+        inc.cost = inc.problem.cost_of(inc.choice)
         return True
     for v, c in zip(nodes.tolist(), old.tolist(), strict=True):
         inc.move(v, c)
+    inc.cost = cost
     return False
 
 
