@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,10 @@ from iopddl_score import FORBIDDEN_AT, peak_usage, score
 from meshplan.intra import ProblemOptions, SolveStatus, solve_problem
 from meshplan.intra.problem.generate import GeneratorOptions, random_instance
 from meshplan.intra.problem.iopddl import problem_from_iopddl
+from meshplan.intra.problem.memory import memory_rows
+from meshplan.intra.problem.presolve import presolve
+from meshplan.intra.search.lazy_rows import NoHooks, solve_lazy
+from meshplan.intra.search.problem_solver import whole_block
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +65,24 @@ def test_portfolio_reaches_the_exact_optimum(seed):
     assert exact.status is SolveStatus.OPTIMAL and both.status is SolveStatus.OPTIMAL
     assert both.cost == exact.cost and score(raw["problem"], both.choice.tolist()) == (both.cost, True)
     assert both.bound == both.cost
+
+
+def test_bounds_told_while_the_mip_runs_hold():
+    """The MIP tells its bounds as it proves them (a portfolio's child is killed at the deadline,
+    before its run returns): they rise, and none is above the optimum it ends by proving."""
+    _, p = _problem(2, layers=4, ops_per_layer=3, mesh=(2, 4), tightness=0.2)
+    pre = presolve(p)
+    q = pre.problem
+    block = replace(whole_block(pre, memory_rows(q.memory.lo, q.memory.hi, pre.base, q.usage_limit)), offset=0.0)
+    told: list[float] = []
+
+    class Recorder(NoHooks):
+        def proved(self, bound: float) -> None:
+            told.append(bound)
+
+    out = solve_lazy(block, None, time.perf_counter() + 60, Recorder())
+    assert out.optimal and len(told) > out.runs  # more than one per HiGHS run: told from inside runs
+    assert told == sorted(told) and told[-1] <= out.cost * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
