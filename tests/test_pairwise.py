@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from meshplan.intra import strategy_problem
-from meshplan.intra.dual import EdgeDual
-from meshplan.intra.lagrange import price_memory
-from meshplan.intra.local_search import improve_feasible, least_memory_choice, repair
-from meshplan.intra.memory import memory_rows, term_index
-from meshplan.intra.pairwise import (
+from meshplan.intra.problem.memory import memory_rows, term_index
+from meshplan.intra.search.dual import EdgeDual
+from meshplan.intra.search.lagrange import price_memory
+from meshplan.intra.search.local_search import improve_feasible, least_memory_choice, repair
+from meshplan.intra.search.pairwise import (
     forest_dp,
     icm_sweep,
     local_costs,
@@ -117,7 +117,7 @@ def test_memory_prices_without_the_dual(monkeypatch):
     """Above the size limit of the dual: still a feasible plan, no bound claimed."""
     import time
 
-    import meshplan.intra.lagrange as lagrange
+    import meshplan.intra.search.lagrange as lagrange
 
     monkeypatch.setattr(lagrange, "DUAL_MAX_ENTRIES", 0)
     rng = np.random.default_rng(3)

@@ -2,12 +2,12 @@
 
 from meshplan.intra.aliases import unshareable_pairs
 from meshplan.intra.ilp import build_ilp
-from meshplan.intra.iopddl import read_iopddl
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
-from meshplan.intra.problem import ProblemError, StrategyProblem, strategy_problem
-from meshplan.intra.problem_solver import ProblemOptions, ProblemSolution, solve_problem
+from meshplan.intra.problem.arrays import ProblemError, StrategyProblem, strategy_problem
+from meshplan.intra.problem.iopddl import read_iopddl
 from meshplan.intra.program import LinearProgram
+from meshplan.intra.search.problem_solver import ProblemOptions, ProblemSolution, solve_problem
 from meshplan.intra.solve import build_intra_problem, solve_intra
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.intra.strategy_graph import Breakdown, StrategyGraph, build_strategy_graph

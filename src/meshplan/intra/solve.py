@@ -8,13 +8,13 @@ from dataclasses import replace
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
-from meshplan.intra.graph_problem import graph_problem
 from meshplan.intra.ilp import VariableMap, build_ilp
 from meshplan.intra.layers import shared_groups
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
-from meshplan.intra.problem_solver import ProblemOptions, solve_problem
+from meshplan.intra.problem.graph_problem import graph_problem
 from meshplan.intra.program import LinearProgram
+from meshplan.intra.search.problem_solver import ProblemOptions, solve_problem
 from meshplan.intra.solvers import SolveResult, SolveStatus, solve_program
 from meshplan.intra.strategy_graph import StrategyGraph, build_strategy_graph, reprice_strategy_graph
 from meshplan.ir.graph import Graph, check_graph

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sparse
 
-from meshplan.intra.memory import MemoryRows, chain_block, row_loads
-from meshplan.intra.problem import Ragged
+from meshplan.intra.problem.arrays import Ragged
+from meshplan.intra.problem.memory import MemoryRows, chain_block, row_loads
 from meshplan.intra.program import LinearProgram
 from meshplan.intra.solvers import quiet_highs
 
@@ -49,6 +49,13 @@ class Block:
     def sizes(self) -> np.ndarray:
         return self.costs.lengths
 
+    def cost_of(self, choice: np.ndarray) -> float:
+        """Node and edge costs of an assignment of the block's nodes, plus its offset."""
+        total = float(self.costs.values[self.costs.ptr[:-1] + choice].sum()) + self.offset
+        for (u, v), m in zip(self.edges.tolist(), self.matrices, strict=True):
+            total += float(m[choice[u], choice[v]])
+        return total
+
 
 @dataclass(frozen=True, slots=True)
 class _EdgeVars:
@@ -63,7 +70,14 @@ class _EdgeVars:
 
 @dataclass(frozen=True, slots=True)
 class MipModel:
-    """minimize offset + cost . x, row_lower <= A x <= row_upper, bounds, some x integer."""
+    """minimize offset + cost . x / cost_scale, row_lower <= A x <= row_upper, bounds, some x
+    integer.
+
+    Scaled for HiGHS's tolerances: contest costs reach 1e13 and usages 1e11, which left HiGHS
+    warning of bad scaling and spending 15-24 s in presolve on IOPDDL's D; costs are scaled
+    so the largest is about 1e6, memory columns and usages so the largest capacity is about
+    1e4 (by powers of two, which round nothing). `objective` undoes the cost scale.
+    """
 
     block: Block
     cost: np.ndarray
@@ -77,6 +91,12 @@ class MipModel:
     s_ptr: np.ndarray  # node v's strategy columns are s_ptr[v] .. s_ptr[v + 1] - 1
     edge_vars: tuple[_EdgeVars, ...]
     first_m: int
+    cost_scale: float = 1.0
+    memory_scale: float = 1.0
+
+    def objective(self, scaled: float) -> float:
+        """The block's cost for a scaled objective value (HiGHS's objective or bound)."""
+        return scaled / self.cost_scale + self.offset
 
     @property
     def num_cols(self) -> int:
@@ -96,7 +116,7 @@ class MipModel:
                 x[col] = 1.0
         b = self.block
         use = b.usage.values[b.usage.ptr[:-1] + choice[b.term_node]] if len(b.term_node) else np.zeros(0)
-        x[self.first_m:] = row_loads(b.rows, use)
+        x[self.first_m:] = row_loads(b.rows, use) * self.memory_scale
         return x
 
     def choice(self, x: np.ndarray) -> np.ndarray:
@@ -108,7 +128,8 @@ class MipModel:
         """The same program as a LinearProgram (for the CBC backend and LP-format dumps)."""
         lp = LinearProgram(offset=self.offset)
         for i in range(self.num_cols):
-            lp.add_var(f"x{i}", float(self.cost[i]), float(self.lower[i]), float(self.upper[i]), bool(self.integer[i]))
+            lp.add_var(f"x{i}", float(self.cost[i] / self.cost_scale), float(self.lower[i]), float(self.upper[i]),
+                       bool(self.integer[i]))
         rows = self.matrix.tocsr()
         for r in range(self.num_rows):
             a, b = rows.indptr[r], rows.indptr[r + 1]
@@ -117,14 +138,25 @@ class MipModel:
         return lp
 
 
-def build_mip(block: Block) -> MipModel:
-    """Assemble the block's MIP (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class EdgePart:
+    """The columns and coupling rows of a block's nodes and edges, which do not depend on its
+    memory rows (so a model re-built with other rows reuses them)."""
+
+    cost: np.ndarray
+    entries: tuple[np.ndarray, np.ndarray, np.ndarray]
+    edge_vars: tuple[_EdgeVars, ...]
+    s_ptr: np.ndarray
+    num_rows: int
+
+
+def edge_part(block: Block) -> EdgePart:
+    """One-hot rows, node costs (with the edges' row and column minima) and edge pair columns."""
     sizes = block.sizes
     n_s = int(sizes.sum())
     s_ptr = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=s_ptr[1:])
     cost = [block.costs.values.copy()]
-    offset = block.offset
     entries = [(np.repeat(np.arange(len(sizes)), sizes), np.arange(n_s), np.ones(n_s))]  # one_hot rows
     n_rows, n_cols = len(sizes), n_s
     edge_vars = []
@@ -140,23 +172,43 @@ def build_mip(block: Block) -> MipModel:
         entries.extend(e_entries)
         n_rows += len(peeled.row_members) + len(peeled.col_members)
         n_cols += len(e_cost)
-    first_m = n_cols
+    r, c, val = (np.concatenate([e[k] for e in entries]) for k in range(3))
+    return EdgePart(np.concatenate(cost), (r, c, val), tuple(edge_vars), s_ptr, n_rows)
+
+
+def build_mip(block: Block, edges: EdgePart | None = None) -> MipModel:
+    """Assemble the block's MIP (see the module docstring); `edges`: the block's `edge_part`,
+    when already built for the same nodes and edges."""
+    edges = edges or edge_part(block)
+    sizes, s_ptr = block.sizes, edges.s_ptr
+    n_s, n_rows, first_m = int(s_ptr[-1]), edges.num_rows, len(edges.cost)
     rows = block.rows
     term_var = (np.repeat(s_ptr[block.term_node], block.usage.lengths)
                 + np.arange(len(block.usage.values)) - np.repeat(block.usage.ptr[:-1], block.usage.lengths))
-    chain = chain_block(rows, term_var, block.usage.ptr, block.usage.values, first_m)
-    entries.append((chain.rows + n_rows, chain.cols, chain.values))
+    memory_scale = _power_of_two_scale(rows.capacity, 1e4)
+    chain = chain_block(rows, term_var, block.usage.ptr, block.usage.values * memory_scale, first_m)
     n_m = len(rows)
-    cost.append(np.zeros(n_m))
-    lower = np.concatenate([np.zeros(n_cols), np.zeros(n_m)])
-    upper = np.concatenate([np.ones(n_cols), rows.capacity])
-    integer = np.zeros(n_cols + n_m, dtype=bool)
+    lower = np.zeros(first_m + n_m)
+    upper = np.concatenate([np.ones(first_m), rows.capacity * memory_scale])
+    integer = np.zeros(first_m + n_m, dtype=bool)
     integer[:n_s] = True
     row_lower = np.concatenate([np.ones(len(sizes)), np.zeros(n_rows - len(sizes) + n_m)])
-    r, c, val = (np.concatenate([e[k] for e in entries]) for k in range(3))
-    matrix = sparse.coo_matrix((val, (r, c)), shape=(n_rows + n_m, n_cols + n_m)).tocsc()
-    return MipModel(block, np.concatenate(cost), lower, upper, integer, matrix, row_lower, row_lower.copy(),
-                    offset, s_ptr, tuple(edge_vars), first_m)
+    r, c, val = (np.concatenate([edges.entries[k], part]) for k, part in
+                 enumerate((chain.rows + n_rows, chain.cols, chain.values)))
+    matrix = sparse.coo_matrix((val, (r, c)), shape=(n_rows + n_m, first_m + n_m)).tocsc()
+    cost_scale = _power_of_two_scale(edges.cost, 1e6)
+    return MipModel(block, np.concatenate([edges.cost * cost_scale, np.zeros(n_m)]), lower, upper, integer, matrix,
+                    row_lower, row_lower.copy(), block.offset, s_ptr, edges.edge_vars, first_m, cost_scale,
+                    memory_scale)
+
+
+def _power_of_two_scale(values: np.ndarray, target: float) -> float:
+    """2^-k bringing the largest finite |value| to at most `target` (1 when it already is)."""
+    finite = np.abs(values[np.isfinite(values)])
+    largest = float(finite.max()) if len(finite) else 0.0
+    if largest <= target:
+        return 1.0
+    return float(2.0 ** -np.ceil(np.log2(largest / target)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +280,11 @@ def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = Non
     begin = time.perf_counter()
     outcome, values = _run_highs(model, time_limit, start, mip_gap, threads)
     if start is not None and values is not None and outcome.objective is not None:
-        found = float(model.cost @ values) + model.offset
+        found = model.objective(_dot(model.cost, values))
         if abs(found - outcome.objective) > 1e-6 * max(abs(outcome.objective), 1.0):
             remaining = time_limit - (time.perf_counter() - begin)
             retry, retry_values = _run_highs(model, max(remaining, 0.5), None, mip_gap, threads)
-            if retry.choice is not None and abs(float(model.cost @ retry_values) + model.offset
+            if retry.choice is not None and abs(model.objective(_dot(model.cost, retry_values))
                                                 - retry.objective) <= 1e-6 * max(abs(retry.objective), 1.0):
                 outcome = retry
             else:  # keep the start, whose cost is known; the bound still holds
@@ -251,6 +303,7 @@ def _run_highs(model: MipModel, time_limit: float, start: np.ndarray | None, mip
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("threads", int(threads))
     h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    h.setOptionValue("presolve", "off")  # slow on these models, see lazy_rows
     h.passModel(_highs_lp(highspy, model))
     if start is not None:
         h.setSolution(len(model.cost), np.arange(len(model.cost), dtype=np.int32), model.start_values(start))
@@ -260,12 +313,18 @@ def _run_highs(model: MipModel, time_limit: float, start: np.ndarray | None, mip
     ms = highspy.HighsModelStatus
     if status == ms.kInfeasible:
         return MipOutcome(None, None, None, False, True, wall), None
-    bound = info.mip_dual_bound + model.offset if np.isfinite(info.mip_dual_bound) else None
+    bound = model.objective(info.mip_dual_bound) if np.isfinite(info.mip_dual_bound) else None
     if info.primal_solution_status != 2:  # no feasible solution
         return MipOutcome(None, None, bound, False, False, wall), None
     x = np.asarray(h.getSolution().col_value)
-    objective = info.objective_function_value + model.offset
+    objective = model.objective(info.objective_function_value)
     return MipOutcome(model.choice(x), objective, bound, status == ms.kOptimal, False, wall), x
+
+
+def _dot(cost: np.ndarray, values: np.ndarray) -> float:
+    """cost . values over the nonzero values (a forbidden strategy's infinite cost times 0 is 0)."""
+    used = values != 0
+    return float(cost[used] @ values[used])
 
 
 def _highs_lp(highspy, model: MipModel):

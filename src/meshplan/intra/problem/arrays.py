@@ -14,7 +14,7 @@ nodes in presolve concatenates their terms.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -91,6 +91,10 @@ class StrategyProblem:
     memory: MemoryTerms
     usage_limit: float | None = None
     name: str = "problem"
+    sizes: np.ndarray = field(init=False, repr=False, compare=False)  # strategies per node (computed once)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", self.costs.lengths)
 
     @property
     def num_nodes(self) -> int:
@@ -99,10 +103,6 @@ class StrategyProblem:
     @property
     def num_edges(self) -> int:
         return len(self.edge_nodes)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return self.costs.lengths
 
     def edge_matrix(self, e: int) -> np.ndarray:
         u, v = self.edge_nodes[e]
@@ -133,6 +133,16 @@ class StrategyProblem:
         if not np.isfinite(self.cost_of(choice)):
             return False
         return self.usage_limit is None or self.peak_usage(choice) <= self.usage_limit
+
+
+def ragged_arange(lengths: np.ndarray) -> np.ndarray:
+    """[0 .. lengths[0]-1, 0 .. lengths[1]-1, ...] as one array."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
 def step_profile(lo: np.ndarray, hi: np.ndarray, amount: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

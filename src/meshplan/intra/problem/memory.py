@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import step_profile
+from meshplan.intra.problem.arrays import step_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,3 +164,26 @@ def term_index(rows: MemoryRows, node: np.ndarray, usages, costs_ptr: np.ndarray
     local = np.arange(len(usages.values)) - np.repeat(usages.ptr[:-1], lengths)
     flat = np.repeat(costs_ptr[node], lengths) + local
     return TermIndex(rows, node, usages.ptr[:-1].copy(), usages.values, flat, int(costs_ptr[-1]))
+
+
+def row_subset(rows: MemoryRows, selected: np.ndarray) -> MemoryRows:
+    """The rows `selected` (indices) alone: a relaxation of the memory constraint. Each term
+    covers the selected rows inside its range (none when first > last)."""
+    selected = np.sort(np.asarray(selected, dtype=np.int64))
+    first = np.searchsorted(selected, rows.first, side="left")
+    last = np.searchsorted(selected, rows.last, side="right") - 1
+    return MemoryRows(rows.points[selected], rows.capacity[selected], first, last)
+
+
+def peak_rows(excess: np.ndarray, count: int) -> np.ndarray:
+    """Up to `count` violated rows, largest excess first, skipping rows next to one already
+    taken (neighbouring rows share most of their terms, so one of them stands for the rest)."""
+    violated = np.flatnonzero(excess > 0)
+    spacing = max(1, len(excess) // (8 * count))
+    taken: list[int] = []
+    for r in violated[np.argsort(-excess[violated], kind="stable")].tolist():
+        if all(abs(r - t) > spacing for t in taken):
+            taken.append(r)
+            if len(taken) == count:
+                break
+    return np.array(taken, dtype=np.int64)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.pairwise import PairwiseIndex, ragged_arange
+from meshplan.intra.problem.arrays import ragged_arange
+from meshplan.intra.search.pairwise import PairwiseIndex
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.local_search import Incumbent
-from meshplan.intra.memory import MemoryRows
-from meshplan.intra.mip import Block, build_mip, solve_mip
-from meshplan.intra.problem import Ragged
+from meshplan.intra.problem.arrays import Ragged
+from meshplan.intra.problem.memory import MemoryRows
+from meshplan.intra.search.lazy_rows import Hooks, NoHooks, solve_lazy
+from meshplan.intra.search.local_search import Incumbent
+from meshplan.intra.search.mip import Block, MipOutcome, build_mip, solve_mip
+
+LAZY_WINDOW_ROWS = 400  # windows with more memory rows than this add them lazily (`lazy_rows`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,20 +32,32 @@ class LnsStats:
 
 
 def run_lns(inc: Incumbent, deadline: float, rng: np.random.Generator, window: int = 60,
-            sub_time: float = 3.0) -> LnsStats:
-    """Improve `inc` in place until `deadline` (perf_counter seconds)."""
+            sub_time: float = 3.0, hooks: Hooks | None = None) -> LnsStats:
+    """Improve `inc` in place until `deadline` (perf_counter seconds); `hooks` report each
+    better plan and offer plans found elsewhere (taken when better)."""
+    hooks = hooks or NoHooks()
     windows = improved = 0
-    while time.perf_counter() + 0.2 < deadline:
+    overhead = 0.2  # seconds a window takes beyond its sub-MIP's limit (building, applying): the most seen
+    while time.perf_counter() + overhead < deadline:
+        began = time.perf_counter()
         nodes = _graph_window(inc, rng, window) if windows % 2 == 0 else _memory_window(inc, rng, window)
-        limit = min(sub_time, deadline - time.perf_counter())
+        limit = min(sub_time, deadline - time.perf_counter() - overhead)
+        before = inc.cost
         result = _reoptimize(inc, nodes, limit)
         windows += 1
-        improved += result == "improved"
+        if inc.cost < before:
+            improved += 1
+            hooks.found(inc.choice, inc.cost)
         if result == "timeout":
             window = max(8, int(window * 0.8))
         elif result in ("improved", "same"):
             window = min(inc.problem.num_nodes, int(window * 1.1) + 1)
+        offered = hooks.offered()
+        if offered is not None and offered[1] < inc.cost:
+            inc.reset(offered[0])
+        overhead = max(overhead, time.perf_counter() - began - limit)
     return LnsStats(windows, improved, window)
+
 
 
 def _regret(inc: Incumbent, v: int) -> float:
@@ -51,12 +66,20 @@ def _regret(inc: Incumbent, v: int) -> float:
 
 
 def _graph_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A graph ball around the costliest of 16 sampled nodes (cost above its best given its
+    neighbours); when the ball's component is exhausted, another ball from a random node (the
+    components are tied by memory alone, which a window must be able to trade)."""
     n = inc.problem.num_nodes
     probes = rng.integers(0, n, size=min(n, 16))
     seed = int(max(probes, key=lambda v: _regret(inc, int(v))))
     seen = {seed}
     frontier = [seed]
-    while frontier and len(seen) < size:
+    others = iter(rng.permutation(n).tolist())
+    while len(seen) < min(size, n):
+        if not frontier:
+            frontier = [next(v for v in others if v not in seen)]
+            seen.add(frontier[0])
+            continue
         nxt = []
         for v in frontier:
             for w, _, _ in inc.neighbours[v]:
@@ -69,12 +92,19 @@ def _graph_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.nda
 
 
 def _memory_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.ndarray:
+    """The nodes live at a row with little slack (a binding row), widened to the rows around it
+    until the window is full (a random subset when one row alone has more)."""
     rows, m = inc.rows, inc.problem.memory
     if len(rows) == 0 or len(m) == 0:
         return _graph_window(inc, rng, size)
     tight = np.argsort(inc.slack)[:max(1, len(rows) // 50)]
     r = int(rng.choice(tight))
-    live = np.unique(m.node[(rows.first <= r) & (rows.last >= r)])
+    reach = 0
+    while True:
+        live = np.unique(m.node[(rows.first <= r + reach) & (rows.last >= r - reach)])
+        if len(live) >= size or reach >= len(rows):
+            break
+        reach = 2 * reach + 1
     if len(live) > size:
         live = rng.choice(live, size=size, replace=False)
     return np.sort(live)
@@ -82,11 +112,15 @@ def _memory_window(inc: Incumbent, rng: np.random.Generator, size: int) -> np.nd
 
 def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
     block, start = window_block(inc, nodes)
-    before = block_cost(block, start)
-    outcome = solve_mip(build_mip(block), time_limit, start)
+    before = block.cost_of(start)
+    if len(block.rows) > LAZY_WINDOW_ROWS:
+        lazy = solve_lazy(block, start, time.perf_counter() + time_limit)
+        outcome = MipOutcome(lazy.choice, lazy.cost, lazy.bound, lazy.optimal, False, 0.0)
+    else:
+        outcome = solve_mip(build_mip(block), time_limit, start)
     if outcome.choice is None:
         return "timeout"
-    after = block_cost(block, outcome.choice)
+    after = block.cost_of(outcome.choice)
     status = "same" if outcome.optimal else "timeout"
     if after < before - 1e-9 * max(abs(before), 1.0) and _apply(inc, nodes, outcome.choice):
         return "improved" if outcome.optimal else "timeout"
@@ -95,13 +129,17 @@ def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
 
 def _apply(inc: Incumbent, nodes: np.ndarray, choice: np.ndarray) -> bool:
     """Apply the window's new choice if it keeps every row within capacity (exactly)."""
-    old = inc.choice[nodes].copy()
+    old, cost = inc.choice[nodes].copy(), inc.cost
     for v, c in zip(nodes.tolist(), choice.tolist(), strict=True):
         inc.move(v, c)
     if inc.feasible:
+        # moved one node at a time, the running cost may have met a forbidden pair halfway
+        # (inf - inf): the window's new cost is known exactly, so recompute it
+        inc.cost = inc.problem.cost_of(inc.choice)
         return True
     for v, c in zip(nodes.tolist(), old.tolist(), strict=True):
         inc.move(v, c)
+    inc.cost = cost
     return False
 
 
@@ -149,10 +187,3 @@ def _window_rows(inc: Incumbent, terms: np.ndarray) -> MemoryRows:
     seg_first = np.searchsorted(cuts, first)
     seg_last = np.searchsorted(cuts, last + 1) - 1
     return MemoryRows(cuts[:-1], capacity, seg_first, seg_last)
-
-
-def block_cost(block: Block, choice: np.ndarray) -> float:
-    total = float(block.costs.values[block.costs.ptr[:-1] + choice].sum()) + block.offset
-    for (u, v), m in zip(block.edges.tolist(), block.matrices, strict=True):
-        total += float(m[choice[u], choice[v]])
-    return total

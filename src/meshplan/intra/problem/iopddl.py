@@ -11,12 +11,21 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshplan.intra.problem import FORBIDDEN, MemoryTerms, ProblemError, Ragged, StrategyProblem, strategy_problem
+from meshplan.files import write_json_atomic
+from meshplan.intra.problem.arrays import (
+    FORBIDDEN,
+    MemoryTerms,
+    ProblemError,
+    Ragged,
+    StrategyProblem,
+    strategy_problem,
+)
 
 FORBIDDEN_AT = 10**18
 
@@ -117,7 +126,37 @@ def _select_rows(r: Ragged, rows: np.ndarray) -> Ragged:
 
 
 def solution_to_json(problem: StrategyProblem, solution) -> dict[str, Any]:
-    """A solution file: the chosen strategy per node, its cost and how it was found."""
-    return {"problem": problem.name, "solution": [int(s) for s in solution.choice], "cost": solution.cost,
+    """A solution file: the chosen strategy per node (None: no plan), its cost and how it was found."""
+    choice = None if solution.choice is None else [int(s) for s in solution.choice]
+    return {"problem": problem.name, "solution": choice, "cost": solution.cost,
             "status": solution.status.value, "bound": solution.bound, "gap": solution.gap,
             "wall_s": solution.wall_s, "stats": solution.stats}
+
+
+class SolutionWriter:
+    """Keeps a solution file up to date while a search runs, so that an interrupted or killed
+    run leaves its last good plan behind: every better plan is written (atomically) unless
+    one was written less than `every` seconds ago; `flush` writes the one held back."""
+
+    def __init__(self, path: str | Path, problem: StrategyProblem, every: float = 1.0) -> None:
+        self.path, self.problem, self.every = path, problem, every
+        self.held: tuple[np.ndarray, float] | None = None
+        self.written_at = -np.inf
+        self.start = time.perf_counter()
+        self.pending = False
+
+    def plan(self, choice: np.ndarray, cost: float) -> None:
+        """A better feasible plan (one strategy per node of the problem) and its cost."""
+        self.held, self.pending = (choice.copy(), float(cost)), True
+        if time.perf_counter() - self.written_at >= self.every:
+            self.flush("feasible")
+
+    def flush(self, status: str) -> bool:
+        """Write the plan held back, if any; whether a plan is on disk."""
+        if self.held is not None and self.pending:
+            choice, cost = self.held
+            write_json_atomic(self.path, {"problem": self.problem.name, "solution": [int(s) for s in choice],
+                                          "cost": cost, "status": status, "bound": None, "gap": None,
+                                          "wall_s": time.perf_counter() - self.start, "stats": {}})
+            self.written_at, self.pending = time.perf_counter(), False
+        return self.held is not None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem, ragged_arange
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +60,6 @@ class PairwiseIndex:
     @property
     def num_nodes(self) -> int:
         return len(self.sizes)
-
-
-def ragged_arange(lengths: np.ndarray) -> np.ndarray:
-    """[0 .. lengths[0]-1, 0 .. lengths[1]-1, ...] as one array."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
 def pairwise_index(problem: StrategyProblem) -> PairwiseIndex:
@@ -155,7 +145,8 @@ def icm_sweep(ix: PairwiseIndex, unary: np.ndarray, choice: np.ndarray, movable:
         local = class_local_costs(ix, unary, choice, c)
         best = segment_argmin(ix, local)
         now = local[ix.ptr[:-1] + choice]
-        gain = now - local[ix.ptr[:-1] + best]
+        with np.errstate(invalid="ignore"):  # inf - inf (a node with only forbidden choices): no move
+            gain = now - local[ix.ptr[:-1] + best]
         go = (ix.colors == c) & (gain > tol * np.maximum(np.abs(now), 1.0))
         if movable is not None:
             go &= movable

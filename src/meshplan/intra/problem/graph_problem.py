@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem import FORBIDDEN, MemoryTerms, Ragged, StrategyProblem
+from meshplan.intra.problem.arrays import FORBIDDEN, MemoryTerms, Ragged, StrategyProblem
 from meshplan.intra.strategy_graph import StrategyGraph, live_ranges
 
 BUDGET_TOLERANCE = 1e-9  # relative: a plan exactly at the budget must not fail on rounding

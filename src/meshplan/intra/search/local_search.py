@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from meshplan.intra.memory import MemoryRows, TermIndex, row_loads
-from meshplan.intra.pairwise import PairwiseIndex, class_local_costs, icm_sweep, segment_argmin
-from meshplan.intra.problem import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.memory import MemoryRows, TermIndex, row_loads
+from meshplan.intra.search.pairwise import PairwiseIndex, class_local_costs, icm_sweep, segment_argmin
 
 
 class Incumbent:
@@ -158,7 +158,8 @@ def _price_floor(unary: np.ndarray, capacity: np.ndarray) -> float:
     """A small price per byte and row: one thousandth of the mean cost per byte of capacity."""
     finite = unary[np.isfinite(unary)]
     scale = float(np.abs(finite).mean()) if len(finite) else 1.0
-    return 1e-3 * max(scale, 1.0) / max(float(np.abs(capacity).mean()), 1.0)
+    room = float(np.abs(capacity).mean()) if len(capacity) else 1.0
+    return 1e-3 * max(scale, 1.0) / max(room, 1.0)
 
 
 def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, choice: np.ndarray,
@@ -174,7 +175,8 @@ def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, cho
             local = class_local_costs(ix, unary, choice, c)
             best = segment_argmin(ix, local)
             now = local[ix.ptr[:-1] + choice]
-            gain = now - local[ix.ptr[:-1] + best]
+            with np.errstate(invalid="ignore"):  # inf - inf: no move
+                gain = now - local[ix.ptr[:-1] + best]
             go = np.flatnonzero((ix.colors == c) & (gain > 1e-12 * np.maximum(np.abs(now), 1.0)))
             old = choice[go].copy()
             choice[go] = best[go]
