@@ -229,7 +229,8 @@ def report(
 ) -> None:
     """Show what a plan decided: stages, layouts, communication, time; or export it (HTML,
     PartitionSpecs, Chrome trace)."""
-    from meshplan.report.load import load_plan
+    from meshplan.report.collectives_text import print_collectives
+    from meshplan.report.load import load_collectives, load_plan
     from meshplan.report.text import OpFilter, print_report
 
     loaded = load_plan(plan)
@@ -255,6 +256,9 @@ def report(
     if not written:
         print_report(loaded, console, OpFilter(None if layer < 0 else layer, name) if ops or name or layer >= 0
                      else None)
+        collectives = load_collectives(plan)
+        if collectives is not None:
+            print_collectives(collectives, console)
     else:
         err.print("wrote " + ", ".join(written), highlight=False)
 

@@ -50,6 +50,10 @@ def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collecti
         elif target != src.dim_of_axis(axis):
             moved.append(axis)
     out = []
+    permuted = _permuted_axes(src, dst, mesh)
+    if permuted:
+        out.append(model.collectives.collective(
+            CollectiveKind.COLLECTIVE_PERMUTE, mesh, permuted, _local_bytes(shape, itemsize, dst, mesh)))
     if moved:
         out.append(model.collectives.collective(
             CollectiveKind.ALL_TO_ALL, mesh, moved, _local_bytes(shape, itemsize, src, mesh)))
@@ -58,3 +62,18 @@ def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collecti
         out.append(model.collectives.collective(
             CollectiveKind.ALL_GATHER, mesh, dropped, _local_bytes(shape, itemsize, gathered, mesh)))
     return tuple(out)
+
+
+def _permuted_axes(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[int, ...]:
+    """Mesh axes whose devices must swap shards because a dim keeps some of its axes in another
+    order. A dim split over axes (a, b) is cut a-major: device (i, j) holds chunk i * |b| + j.
+    Slicing further (S0 -> S01) or gathering the minor axes (S01 -> S0) stays local, but S1 ->
+    S01 or S01 -> S1 leaves a device's chunk on another device (XLA emits a collective-permute)."""
+    permuted: set[int] = set()
+    for s, t in zip(src.dims, dst.dims, strict=True):
+        s = tuple(a for a in s if mesh.shape[a] > 1)
+        t = tuple(a for a in t if mesh.shape[a] > 1)
+        kept = tuple(a for a in s if a in t)
+        if kept and not (s[:len(kept)] == kept == t[:len(kept)]):
+            permuted.update(t)
+    return tuple(sorted(permuted))

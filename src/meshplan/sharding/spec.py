@@ -72,6 +72,14 @@ class ShardingSpec:
             out[d] = self.dims[i]
         return ShardingSpec(tuple(out))
 
+    def unbroadcast(self, dims: Sequence[int], operand_shape: Sequence[int],
+                    out_shape: Sequence[int]) -> ShardingSpec:
+        """The operand spec whose broadcast_in_dim(x, dims) is this spec where it can be: the
+        splits of the output dims that hold operand dims (size-1 operand dims that the broadcast
+        expands hold none)."""
+        return ShardingSpec(tuple(self.dims[d] if operand_shape[i] == out_shape[d] else ()
+                                  for i, d in enumerate(dims)))
+
     def reduce(self, dims: Sequence[int]) -> ShardingSpec:
         """Spec of reduce(x, dims): the reduced dims disappear (their axes need an all-reduce)."""
         return ShardingSpec(tuple(a for d, a in enumerate(self.dims) if d not in dims))

@@ -1,0 +1,192 @@
+"""Planned vs compiled collectives: an IntraPlan and its executable's HLO -> a CollectiveCheck.
+
+The plan says which collectives each chosen strategy and each resharding implies (kind, mesh
+axes, bytes per device). The executable's HLO says what XLA emitted. XLA rewrites a program's
+collectives in ways that do not change what moves, and the comparison undoes exactly those,
+each one named in `NORMALISATION` (and in docs/design.md, "Runtime: planned vs compiled
+collectives"):
+
+1. combined collectives: XLA's combiners merge collectives of one kind over the same device
+   groups into one instruction with several operands; each operand counts as one collective.
+2. one conversion per value and layout: a value resharded to one layout for several consumers
+   is converted once (the partitioner reuses it; the plan lists it per consumer edge).
+3. reduce-scatter on CPU: XLA's CPU backend emits a planned reduce-scatter as an all-reduce of
+   the same input followed by a local dynamic-slice (GPU and TPU backends keep it).
+
+Everything else is compared as it is: a planned collective with no compiled twin of the same
+kind, mesh axes and bytes is "missing", a compiled one with no planned twin "unplanned"
+(e.g. collective-permutes, which no plan contains, or all-gathers XLA added to reach a layout
+the plan did not ask for).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from meshplan.intra.plan import IntraPlan
+from meshplan.runtime.hlo_collectives import CompiledCollective, hlo_collectives
+
+NORMALISATION = (
+    "compiled: a combined collective (several operands in one instruction) counts once per operand",
+    "compiled: an all-to-all in tuple form (one chunk per peer) counts once",
+    "planned: a value resharded to the same layout for several consumers counts once",
+    "planned on cpu: a reduce-scatter is compiled as an all-reduce of its input and a local slice",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCollective:
+    """One collective the plan implies.
+
+    Attributes:
+        kind, axes, nbytes: as the plan priced it (`meshplan.cost.collectives.Collective`).
+        compiled_kind: the kind the backend emits for it (see NORMALISATION).
+        origin: where the plan puts it: the node and its strategy, or the resharding.
+    """
+
+    kind: str
+    axes: tuple[int, ...]
+    nbytes: int
+    compiled_kind: str
+    origin: str
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRow:
+    """Planned and compiled collectives of one kind on one set of mesh axes (None: groups that
+    are no set of mesh axes)."""
+
+    kind: str
+    axes: tuple[int, ...] | None
+    planned: int
+    planned_bytes: int
+    compiled: int
+    compiled_bytes: int
+    instructions: int  # compiled instructions carrying them (fewer when XLA combined them)
+
+    @property
+    def agrees(self) -> bool:
+        return (self.planned, self.planned_bytes) == (self.compiled, self.compiled_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCheck:
+    """The plan's collectives next to the executable's, after NORMALISATION.
+
+    Attributes:
+        backend: the platform compiled for ("cpu", "gpu", "tpu").
+        planned, compiled: both lists, in plan and HLO order.
+        rows: per (kind, mesh axes), counts and bytes of both.
+        missing: planned collectives without a compiled twin (same kind, axes and bytes).
+        unplanned: compiled collectives (one per logical collective) without a planned twin.
+    """
+
+    backend: str
+    planned: tuple[PlannedCollective, ...]
+    compiled: tuple[CompiledCollective, ...]
+    rows: tuple[CollectiveRow, ...]
+    missing: tuple[PlannedCollective, ...]
+    unplanned: tuple[tuple[str, tuple[int, ...] | None, int, str], ...]
+
+    @property
+    def agrees(self) -> bool:
+        """Every planned collective was compiled and nothing else was."""
+        return not self.missing and not self.unplanned
+
+    def counts(self, which: str = "compiled") -> dict[str, int]:
+        """Kind -> number of logical collectives, of the "compiled" or the "planned" side."""
+        totals: Counter[str] = Counter()
+        for row in self.rows:
+            totals[row.kind] += row.compiled if which == "compiled" else row.planned
+        return {kind: n for kind, n in totals.items() if n}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "agrees": self.agrees, "normalisation": list(NORMALISATION),
+            "rows": [{"kind": r.kind, "axes": _axes_json(r.axes), "planned": r.planned,
+                      "planned_bytes": r.planned_bytes, "compiled": r.compiled, "compiled_bytes": r.compiled_bytes,
+                      "instructions": r.instructions, "agrees": r.agrees} for r in self.rows],
+            "missing": [{"kind": p.kind, "compiled_kind": p.compiled_kind, "axes": list(p.axes), "bytes": p.nbytes,
+                         "origin": p.origin} for p in self.missing],
+            "unplanned": [{"kind": k, "axes": _axes_json(a), "bytes": b, "op_name": o}
+                          for k, a, b, o in self.unplanned],
+            "planned": [{"kind": p.kind, "compiled_kind": p.compiled_kind, "axes": list(p.axes), "bytes": p.nbytes,
+                         "origin": p.origin} for p in self.planned],
+            "compiled": [{"kind": c.kind, "name": c.name, "axes": _axes_json(c.axes), "buffers": list(c.buffers),
+                          "op_name": c.op_name} for c in self.compiled],
+        }
+
+
+def check_collectives(plan: IntraPlan, hlo_text: str, backend: str) -> CollectiveCheck:
+    """Compare the collectives `plan` implies with those of its compiled executable's HLO.
+
+    Args:
+        plan: the IntraPlan the executable was built from.
+        hlo_text: the compiled executable's HLO (`Compiled.as_text()`).
+        backend: the platform it was compiled for (`jax.default_backend()`), which decides
+            how a reduce-scatter is emitted.
+    """
+    planned = planned_collectives(plan, backend)
+    compiled = hlo_collectives(hlo_text, plan.mesh.shape)
+    return compare(planned, compiled, backend)
+
+
+def planned_collectives(plan: IntraPlan, backend: str) -> tuple[PlannedCollective, ...]:
+    """The plan's collectives: each node's own, then each distinct (value, layout) conversion."""
+    found = [_planned(c, f"{n.name} {n.op} {n.strategy}", backend) for n in plan.nodes for c in n.collectives]
+    seen = set()
+    for r in plan.reshardings:
+        key = (r.producer, r.src, r.dst)
+        if key in seen:
+            continue
+        seen.add(key)
+        found.extend(_planned(c, f"reshard {r.producer} {r.src} -> {r.dst} for {r.consumer}", backend)
+                     for c in r.collectives)
+    return tuple(found)
+
+
+def compare(planned: Iterable[PlannedCollective], compiled: Iterable[CompiledCollective],
+            backend: str) -> CollectiveCheck:
+    """Match both sides by (kind as compiled, mesh axes, bytes) and count them per kind and axes."""
+    planned, compiled = tuple(planned), tuple(compiled)
+    logical = [(c.kind, c.axes, b, c.op_name) for c in compiled for b in c.buffers]
+    left = Counter((k, a, b) for k, a, b, _ in logical)
+    missing = []
+    for p in planned:
+        key = (p.compiled_kind, p.axes, p.nbytes)
+        if left[key] > 0:
+            left[key] -= 1
+        else:
+            missing.append(p)
+    unplanned = []
+    for k, a, b, o in logical:
+        if left[(k, a, b)] > 0:
+            left[(k, a, b)] -= 1
+            unplanned.append((k, a, b, o))
+    return CollectiveCheck(backend, planned, compiled, _rows(planned, compiled), tuple(missing), tuple(unplanned))
+
+
+def _planned(collective: Any, origin: str, backend: str) -> PlannedCollective:
+    kind = collective.kind.value
+    compiled_kind = "all-reduce" if kind == "reduce-scatter" and backend == "cpu" else kind
+    return PlannedCollective(kind, tuple(sorted(collective.axes)), round(collective.nbytes), compiled_kind, origin)
+
+
+def _rows(planned: tuple[PlannedCollective, ...],
+          compiled: tuple[CompiledCollective, ...]) -> tuple[CollectiveRow, ...]:
+    table: dict[tuple[str, Any], list[int]] = {}
+    for p in planned:
+        row = table.setdefault((p.compiled_kind, p.axes), [0, 0, 0, 0, 0])
+        row[0], row[1] = row[0] + 1, row[1] + p.nbytes
+    for c in compiled:
+        row = table.setdefault((c.kind, c.axes), [0, 0, 0, 0, 0])
+        row[2], row[3], row[4] = row[2] + len(c.buffers), row[3] + c.nbytes, row[4] + 1
+    order = sorted(table, key=lambda key: (key[0], key[1] is None, key[1] or ()))
+    return tuple(CollectiveRow(kind, axes, *table[(kind, axes)]) for kind, axes in order)
+
+
+def _axes_json(axes: tuple[int, ...] | None) -> list[int] | None:
+    return None if axes is None else list(axes)
