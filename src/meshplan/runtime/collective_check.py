@@ -9,9 +9,13 @@ collectives"):
 1. combined collectives: XLA's combiners merge collectives of one kind over the same device
    groups into one instruction with several operands; each operand counts as one collective.
 2. one conversion per value and layout: a value resharded to one layout for several consumers
-   is converted once (the partitioner reuses it; the plan lists it per consumer edge).
+   is converted once (the partitioner reuses it; the plan lists it per consumer edge). A
+   broadcast is converted through its operand, so broadcasts of one operand converted alike
+   share one collective.
 3. reduce-scatter on CPU: XLA's CPU backend emits a planned reduce-scatter as an all-reduce of
    the same input followed by a local dynamic-slice (GPU and TPU backends keep it).
+4. one all-reduce per axis: a sum over dims split over different mesh axes (S1S0 reduced to a
+   scalar) may be emitted as one all-reduce per axis of the same buffer.
 
 Everything else is compared as it is: a planned collective with no compiled twin of the same
 kind, mesh axes and bytes is "missing", a compiled one with no planned twin "unplanned"
@@ -26,14 +30,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from meshplan.intra.plan import IntraPlan
+from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
 from meshplan.runtime.hlo_collectives import CompiledCollective, hlo_collectives
 
 NORMALISATION = (
     "compiled: a combined collective (several operands in one instruction) counts once per operand",
     "compiled: an all-to-all in tuple form (one chunk per peer) counts once",
-    "planned: a value resharded to the same layout for several consumers counts once",
+    "planned: a value resharded to the same layout for several consumers counts once (for broadcasts: their operand)",
     "planned on cpu: a reduce-scatter is compiled as an all-reduce of its input and a local slice",
+    "planned: an all-reduce over several mesh axes may be compiled as one all-reduce per axis of the same buffer",
 )
 
 
@@ -137,9 +142,10 @@ def check_collectives(plan: IntraPlan, hlo_text: str, backend: str) -> Collectiv
 def planned_collectives(plan: IntraPlan, backend: str) -> tuple[PlannedCollective, ...]:
     """The plan's collectives: each node's own, then each distinct (value, layout) conversion."""
     found = [_planned(c, f"{n.name} {n.op} {n.strategy}", backend) for n in plan.nodes for c in n.collectives]
+    by_name = {n.name: n for n in plan.nodes}
     seen = set()
     for r in plan.reshardings:
-        key = (r.producer, r.src, r.dst)
+        key = _conversion(r, by_name.get(r.producer))
         if key in seen:
             continue
         seen.add(key)
@@ -161,12 +167,38 @@ def compare(planned: Iterable[PlannedCollective], compiled: Iterable[CompiledCol
             left[key] -= 1
         else:
             missing.append(p)
+    per_axis = [p for p in missing if _per_axis(p, left)]
+    missing = [p for p in missing if p not in per_axis]
     unplanned = []
     for k, a, b, o in logical:
         if left[(k, a, b)] > 0:
             left[(k, a, b)] -= 1
             unplanned.append((k, a, b, o))
-    return CollectiveCheck(backend, planned, compiled, _rows(planned, compiled), tuple(missing), tuple(unplanned))
+    return CollectiveCheck(backend, planned, compiled, _rows(planned, compiled, per_axis), tuple(missing),
+                           tuple(unplanned))
+
+
+def _per_axis(planned: PlannedCollective, left: Counter) -> bool:
+    """Match an all-reduce over several mesh axes with one all-reduce per axis of the same
+    buffer, taking them from `left`, when all are there (XLA reduces dims split over different
+    axes one axis at a time)."""
+    if planned.compiled_kind != "all-reduce" or len(planned.axes) < 2:
+        return False
+    keys = [("all-reduce", (a,), planned.nbytes) for a in planned.axes]
+    if any(left[k] < 1 for k in keys):
+        return False
+    for k in keys:
+        left[k] -= 1
+    return True
+
+
+def _conversion(resharding: Resharding, producer: ChosenStrategy | None) -> tuple[Any, ...]:
+    """What a resharding converts: the producer's value from one layout to another; for a
+    broadcast, its operand (the runtime converts the operand and broadcasts again, so two
+    broadcasts of one operand converted alike share one collective)."""
+    if producer is not None and producer.op == "broadcast" and producer.operand_ids:
+        return ("operand", producer.operand_ids[0], tuple((c.kind, c.axes, c.nbytes) for c in resharding.collectives))
+    return (resharding.producer, resharding.src, resharding.dst)
 
 
 def _planned(collective: Any, origin: str, backend: str) -> PlannedCollective:
@@ -175,8 +207,10 @@ def _planned(collective: Any, origin: str, backend: str) -> PlannedCollective:
     return PlannedCollective(kind, tuple(sorted(collective.axes)), round(collective.nbytes), compiled_kind, origin)
 
 
-def _rows(planned: tuple[PlannedCollective, ...],
-          compiled: tuple[CompiledCollective, ...]) -> tuple[CollectiveRow, ...]:
+def _rows(planned: tuple[PlannedCollective, ...], compiled: tuple[CompiledCollective, ...],
+          per_axis: list[PlannedCollective]) -> tuple[CollectiveRow, ...]:
+    """Counts per (kind, axes); all-reduces emitted one per axis count once, in the row of the
+    planned axes (their instructions stay where they are)."""
     table: dict[tuple[str, Any], list[int]] = {}
     for p in planned:
         row = table.setdefault((p.compiled_kind, p.axes), [0, 0, 0, 0, 0])
@@ -184,6 +218,13 @@ def _rows(planned: tuple[PlannedCollective, ...],
     for c in compiled:
         row = table.setdefault((c.kind, c.axes), [0, 0, 0, 0, 0])
         row[2], row[3], row[4] = row[2] + len(c.buffers), row[3] + c.nbytes, row[4] + 1
+    for p in per_axis:
+        whole = table[(p.compiled_kind, p.axes)]
+        whole[2], whole[3] = whole[2] + 1, whole[3] + p.nbytes
+        for a in p.axes:
+            part = table[(p.compiled_kind, (a,))]
+            part[2], part[3] = part[2] - 1, part[3] - p.nbytes
+    table = {key: row for key, row in table.items() if any(row)}
     order = sorted(table, key=lambda key: (key[0], key[1] is None, key[1] or ()))
     return tuple(CollectiveRow(kind, axes, *table[(kind, axes)]) for kind, axes in order)
 
