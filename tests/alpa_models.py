@@ -110,10 +110,16 @@ def train_state(model: nn.Module, *example, optimizer=None) -> TrainState:
 
 def mse_step(state: TrainState, batch: dict) -> TrainState:
     """Alpa's tests' step: mean squared error of the model on batch["inputs"], one optimizer step."""
+    return mse_step_with_loss(state, batch)[0]
+
+
+def mse_step_with_loss(state: TrainState, batch: dict) -> tuple[TrainState, jax.Array]:
+    """`mse_step` that also returns the loss."""
     def loss(params):
         return jnp.mean((state.apply_fn(params, *batch["inputs"]) - batch["label"]) ** 2)
 
-    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), value
 
 
 def mlp_program(layers=4, batch=64, hidden=32, optimizer=None):

@@ -6,6 +6,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -234,6 +235,7 @@ def report(
     from meshplan.report.text import OpFilter, print_report
 
     loaded = load_plan(plan)
+    collectives = load_collectives(plan) if Path(plan).is_dir() else None
     console = Console(width=width or None)
     written = []
     if partition_specs:
@@ -256,7 +258,6 @@ def report(
     if not written:
         print_report(loaded, console, OpFilter(None if layer < 0 else layer, name) if ops or name or layer >= 0
                      else None)
-        collectives = load_collectives(plan)
         if collectives is not None:
             print_collectives(collectives, console)
     else:

@@ -12,6 +12,7 @@ from rich.table import Table
 from meshplan.report.tables import bytes_text, table
 
 SHOWN = 12  # differences listed one by one; the rest are counted
+LARGEST = 5  # planned collectives listed with the operator or conversion that implies them
 
 
 def collectives_table(data: dict[str, Any]) -> Table:
@@ -30,6 +31,14 @@ def collectives_lines(data: dict[str, Any]) -> list[str]:
     lines = [_verdict(data)]
     if data.get("layout"):
         lines.append(f"layout: {data['layout']}")
+    renamed = [p for p in data["planned"] if p["kind"] != p["compiled_kind"]]
+    if renamed:
+        lines.append(f"{len(renamed)} planned {renamed[0]['kind']}(s) counted as {renamed[0]['compiled_kind']}: "
+                     f"the {data['backend']} backend emits them so")
+    largest = sorted(data["planned"], key=lambda p: -p["bytes"])[:LARGEST]
+    if largest:
+        lines.append("largest planned collectives, where the plan puts them:")
+        lines += [f"  {p['kind']} on axes {_axes(p['axes'])}, {bytes_text(p['bytes'])}: {p['origin']}" for p in largest]
     for p in data["missing"][:SHOWN]:
         lines.append(f"  planned, not compiled: {p['kind']} on axes {_axes(p['axes'])}, {bytes_text(p['bytes'])} "
                      f"({p['origin']})")

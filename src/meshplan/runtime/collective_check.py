@@ -9,7 +9,8 @@ collectives"):
 1. combined collectives: XLA's combiners merge collectives of one kind over the same device
    groups into one instruction with several operands; each operand counts as one collective.
 2. one conversion per value and layout: a value resharded to one layout for several consumers
-   is converted once (the partitioner reuses it; the plan lists it per consumer edge). A
+   is converted once (the partitioner reuses it; the plan lists it per consumer edge), also when
+   two conversions share their first step (a gather, `sharding.spec.gathered_first`). A
    broadcast is converted through its operand, so broadcasts of one operand converted alike
    share one collective.
 3. reduce-scatter on CPU: XLA's CPU backend emits a planned reduce-scatter as an all-reduce of
@@ -30,8 +31,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from meshplan.cluster.mesh import LogicalMesh
 from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
 from meshplan.runtime.hlo_collectives import CompiledCollective, hlo_collectives
+from meshplan.sharding.spec import gathered_first
 
 NORMALISATION = (
     "compiled: a combined collective (several operands in one instruction) counts once per operand",
@@ -102,10 +105,13 @@ class CollectiveCheck:
         return not self.missing and not self.unplanned
 
     def counts(self, which: str = "compiled") -> dict[str, int]:
-        """Kind -> number of logical collectives, of the "compiled" or the "planned" side."""
+        """Kind -> number of collectives: of the "compiled" side after the normalisation, or of
+        the "planned" side by the plan's own kinds (a reduce-scatter stays one)."""
+        if which == "planned":
+            return dict(Counter(p.kind for p in self.planned))
         totals: Counter[str] = Counter()
         for row in self.rows:
-            totals[row.kind] += row.compiled if which == "compiled" else row.planned
+            totals[row.kind] += row.compiled
         return {kind: n for kind, n in totals.items() if n}
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,12 +151,11 @@ def planned_collectives(plan: IntraPlan, backend: str) -> tuple[PlannedCollectiv
     by_name = {n.name: n for n in plan.nodes}
     seen = set()
     for r in plan.reshardings:
-        key = _conversion(r, by_name.get(r.producer))
-        if key in seen:
-            continue
-        seen.add(key)
-        found.extend(_planned(c, f"reshard {r.producer} {r.src} -> {r.dst} for {r.consumer}", backend)
-                     for c in r.collectives)
+        for key, collectives in _conversions(r, by_name.get(r.producer), plan.mesh):
+            if key not in seen:
+                seen.add(key)
+                found.extend(_planned(c, f"reshard {r.producer} {r.src} -> {r.dst} for {r.consumer}", backend)
+                             for c in collectives)
     return tuple(found)
 
 
@@ -192,13 +197,23 @@ def _per_axis(planned: PlannedCollective, left: Counter) -> bool:
     return True
 
 
-def _conversion(resharding: Resharding, producer: ChosenStrategy | None) -> tuple[Any, ...]:
-    """What a resharding converts: the producer's value from one layout to another; for a
-    broadcast, its operand (the runtime converts the operand and broadcasts again, so two
-    broadcasts of one operand converted alike share one collective)."""
+def _conversions(resharding: Resharding, producer: ChosenStrategy | None,
+                 mesh: LogicalMesh) -> list[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+    """The conversions a resharding makes, each with its collectives: the producer's value from
+    one layout to another, in two steps when it is gathered first (`gathered_first`: one
+    all-gather per dim, then the rest); for a broadcast, its operand (the runtime converts the
+    operand and broadcasts again, so broadcasts of one operand converted alike share them)."""
+    collectives = resharding.collectives
     if producer is not None and producer.op == "broadcast" and producer.operand_ids:
-        return ("operand", producer.operand_ids[0], tuple((c.kind, c.axes, c.nbytes) for c in resharding.collectives))
-    return (resharding.producer, resharding.src, resharding.dst)
+        return [(("operand", producer.operand_ids[0], tuple((c.kind, c.axes, c.nbytes) for c in collectives)),
+                 collectives)]
+    src, dst = resharding.src, resharding.dst
+    via = gathered_first(src, dst, mesh)
+    if via is None:
+        return [((resharding.producer, src, dst), collectives)]
+    gathers = len({d for d, axes in enumerate(src.dims) if set(axes) - set(via.dims[d])})
+    return [((resharding.producer, src, via), collectives[:gathers]),
+            ((resharding.producer, via, dst), collectives[gathers:])]
 
 
 def _planned(collective: Any, origin: str, backend: str) -> PlannedCollective:

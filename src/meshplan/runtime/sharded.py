@@ -22,7 +22,7 @@ from meshplan.errors import MeshError, PlanValidationError
 from meshplan.intra.plan import IntraPlan
 from meshplan.ir.node import OpKind
 from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered
-from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.spec import ShardingSpec, gathered_first
 
 _AXIS_NAMES = ("x", "y", "z")
 
@@ -193,10 +193,12 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class _Conversion:
-    """An operand converted for its consumer: constrained to `sharding`; a broadcast's operand
+    """An operand converted for its consumer: constrained to `sharding`, through `via` first when
+    the plan gathers before slicing (`sharding.resharding.gathered_first`); a broadcast's operand
     (value `source`) constrained to `source_sharding` first and broadcast again by `step`."""
 
     sharding: NamedSharding
+    via: NamedSharding | None = None
     step: Any = None
     source: int | None = None
     source_sharding: NamedSharding | None = None
@@ -219,7 +221,9 @@ def _conversions(captured: Captured, plan: IntraPlan, named: Any) -> dict[tuple[
             if spec is None or spec == chosen[producer].output or not is_placeable(
                     spec, tuple(program.avals[vid].shape), graph[producer].shape, logical):
                 continue
-            found[(k, i)] = _rebroadcast(captured, producer, spec, made_by.get(vid), named) or _Conversion(named(spec))
+            via = gathered_first(chosen[producer].output, spec, logical)
+            found[(k, i)] = _rebroadcast(captured, producer, spec, made_by.get(vid), named) or _Conversion(
+                named(spec), None if via is None else named(via))
     return found
 
 
@@ -246,7 +250,7 @@ def _rebroadcast(captured: Captured, producer: int, spec: ShardingSpec, step: An
             or captured.value_nodes.get(step.inputs[0]) != node.operands[0]:
         return None
     operand = graph[node.operands[0]]
-    return _Conversion(named(spec), step, step.inputs[0],
+    return _Conversion(named(spec), None, step, step.inputs[0],
                        named(spec.unbroadcast(node.attr("dims"), operand.shape, node.shape)))
 
 
@@ -254,7 +258,7 @@ def _convert(env: dict[int, Any], vid: int, conversion: _Conversion | None) -> A
     if conversion is None:
         return env[vid]
     if conversion.step is None:
-        return _constrain(env[vid], conversion.sharding)
+        return _constrain(_constrain(env[vid], conversion.via), conversion.sharding)
     source = _constrain(env[conversion.source], conversion.source_sharding)
     return _constrain(conversion.step.primitive.bind(source, **conversion.step.params), conversion.sharding)
 

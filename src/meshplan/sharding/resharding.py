@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import Collective, CollectiveKind
 from meshplan.cost.model import CostModel, ReshardingRule
-from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.spec import ShardingSpec, gathered_first, moved_and_dropped
 
 
 def resharding_collectives(shape: Sequence[int], itemsize: int, src: ShardingSpec, dst: ShardingSpec,
@@ -40,20 +40,11 @@ def _alpa_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collectiv
 
 
 def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collective, ...]:
-    moved, dropped = [], []
-    for axis in src.axes():
-        if mesh.shape[axis] == 1:
-            continue
-        target = dst.dim_of_axis(axis)
-        if target is None:
-            dropped.append(axis)
-        elif target != src.dim_of_axis(axis):
-            moved.append(axis)
-    if len({(src.dim_of_axis(a), dst.dim_of_axis(a)) for a in moved}) > 1:
-        # Axes leaving one dim for several, or several dims for one: XLA's partitioner has no
-        # collective for that and gathers the whole value before slicing it again (measured:
-        # RRS01 -> S1S0R, S0S1R -> RRS01 on 8 CPU devices), so price what it does.
-        dropped, moved = dropped + moved, []
+    via = gathered_first(src, dst, mesh)
+    if via is not None:
+        return (*_exact_collectives(shape, itemsize, src, via, mesh, model),
+                *_exact_collectives(shape, itemsize, via, dst, mesh, model))
+    moved, dropped = moved_and_dropped(src, dst, mesh)
     out = []
     permuted = _permuted_axes(src, dst, mesh)
     if permuted:  # at the finer of the two splits: slice first, or swap before gathering
