@@ -260,7 +260,7 @@ def test_report_of_a_dump_sets_planned_and_compiled_collectives_side_by_side(run
     broken = tmp_path / "broken"
     shutil.copytree(runtime_dumps["dp"], broken)
     (broken / "collectives.json").write_text('{"backend": "cpu"')
-    assert_user_error(meshplan("report", str(broken)), "collectives.json: not a collectives file")
+    assert_user_error(meshplan("report", str(broken)), "not a collectives file written by dump_debug_info")
 
 
 def test_simulated_pieces_show_zero_style_optimizer_state(default_plan):
