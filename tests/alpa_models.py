@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
 
 
 def train_state(model: nn.Module, *example, optimizer=None) -> TrainState:
-    params = model.init(jax.random.PRNGKey(0), *example)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), *example)  # one compile, not one per initializer
     return TrainState.create(apply_fn=model.apply, params=params, tx=optimizer or optax.adam(1e-2))
 
 
