@@ -270,7 +270,8 @@ def test_dump_debug_info_writes_every_file(tmp_path):
     parallel = parallelize(step)
     parallel(params, batch)
     paths = parallel.dump_debug_info(tmp_path / "debug")
-    names = {"graph.txt", "plan.json", "hlo.txt", "memory.txt", "cost.json", "shardings.txt", "diagnostics.json"}
+    names = {"graph.txt", "plan.json", "hlo.txt", "memory.txt", "cost.json", "shardings.txt", "diagnostics.json",
+             "collectives.json"}
     assert {p.name for p in paths} == names
     assert {p.name for p in (tmp_path / "debug").iterdir()} == names  # no temporary files left
     assert all(p.stat().st_size > 0 for p in paths)
@@ -286,6 +287,9 @@ def test_dump_debug_info_writes_every_file(tmp_path):
     assert "NamedSharding" in shardings[0]
     diagnostics = json.loads((tmp_path / "debug" / "diagnostics.json").read_text())
     assert diagnostics["involuntary_rematerializations"] == 0 and diagnostics["donated"] == []
+    collectives = json.loads((tmp_path / "debug" / "collectives.json").read_text())
+    assert collectives == {**parallel.get_collectives().to_dict(), "layout": collectives["layout"]}
+    assert collectives["layout"].startswith("ShardParallel: every layout is the cost model's choice")
 
 
 def test_unsupported_primitive_runs_and_warning_names_it():

@@ -90,28 +90,29 @@ def test_donated_training_step_reuses_buffers_and_matches(method):
     np.testing.assert_allclose(got_losses, jit_losses, rtol=1e-5, atol=1e-5)
 
 
-def test_zero3_cannot_donate_biases_and_says_so(tmp_path):
-    """Under forced data parallelism the bias gradient is all-reduced, so a bias update is offered
-    only replicated while Zero3Parallel keeps the bias itself split: no common layout."""
+def test_zero3_donates_the_whole_state_and_returns_it_sharded(tmp_path):
+    """Zero3Parallel keeps weights and Adam moments split at rest: each donated leaf and its new
+    value share one split layout, so every pair is donated (biases included) and the next call
+    consumes the returned state without moving it."""
     step, state, batch = mlp_adam_program()
     parallel = parallelize(step, method=Zero3Parallel(), donate_argnums=(0,))
-    with pytest.warns(UnusedDonationWarning, match=r"args\[0\]\[0\]\['b1'\] float32\[256\], args\[0\]\[1\]\['b1'\] "
-                                                    r"float32\[256\], args\[0\]\[2\]\['b1'\] float32\[256\] \(the "
-                                                    r"planner offers the argument and its result no common layout"):
-        new_state, _ = parallel(state, batch)
-    assert parallel._last.donation.unplaceable == (0, 3, 6)  # flat: params, m, v (b1 first in each), t, x, y
-    assert alias_table(parallel._last.sharded.executable.as_text()) == sorted(parallel._last.donation.pairs)
-    parallel(new_state, batch)
-    assert {k: x.is_deleted() for k, x in new_state[0].items()} == {"b1": False, "w1": True, "w2": True}
-    auto = parallelize(step, method=Zero3Parallel(), donate_argnums="auto")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UnusedDonationWarning)  # "auto" donates what it can, silently
-        auto(state, batch)
-    auto.dump_debug_info(tmp_path)
+        warnings.simplefilter("error", UnusedDonationWarning)
+        new_state, _ = parallel(state, batch)
+    last = parallel._last
+    assert last.donation.pairs == tuple((i, i) for i in range(10)) and not last.donation.unplaceable
+    assert alias_table(last.sharded.executable.as_text()) == sorted(last.donation.pairs)
+    placed = jax.tree_util.tree_leaves(parallel.get_input_shardings()[0])
+    returned = jax.tree_util.tree_leaves(new_state)
+    for leaf, sharding in zip(returned[:9], placed[:9], strict=True):  # params, m, v: split 8 ways as they came
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim) and len(leaf.sharding.device_set) == 8
+        assert leaf.addressable_shards[0].data.size == leaf.size // 8
+    parallel(new_state, batch)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(new_state))
+    parallel.dump_debug_info(tmp_path)
     report = json.loads((tmp_path / "diagnostics.json").read_text())
-    assert report["not_donated"] == [{"argument": f"args[0][{i}]['b1']", "reason": "no common layout with its result"}
-                                     for i in range(3)]
-    assert len(report["donated"]) == 7 and report["involuntary_rematerializations"] == 0
+    assert report["not_donated"] == [] and len(report["donated"]) == 10
+    assert report["involuntary_rematerializations"] == 0
 
 
 def test_auto_donates_all_but_the_batch_and_unmatched_leaves_warn():

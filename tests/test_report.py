@@ -246,6 +246,23 @@ def test_runtime_data_parallel_and_zero3_plans_are_classified(runtime_dumps):
     assert stage_parallelism(zero3.stages[0].intra_plan).zero == 3
 
 
+def test_report_of_a_dump_sets_planned_and_compiled_collectives_side_by_side(runtime_dumps, tmp_path):
+    result = meshplan("report", str(runtime_dumps["dp"]))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    data = json.loads((runtime_dumps["dp"] / "collectives.json").read_text())
+    n = sum(r["planned"] for r in data["rows"])
+    assert data["agrees"] and n == 4  # the w1, b1 and w2 gradients and the loss: all-reduces, fused
+    assert "collectives: planned vs compiled (cpu, per device)" in text
+    assert f"the executable runs exactly the {n} planned collective(s)" in text
+    assert "DataParallel: batch values split along the batch dim" in " ".join(text.split())
+    broken = tmp_path / "broken"
+    shutil.copytree(runtime_dumps["dp"], broken)
+    (broken / "collectives.json").write_text('{"backend": "cpu"')
+    assert_user_error(meshplan("report", str(broken)), "not a collectives file written by dump_debug_info")
+
+
 def test_simulated_pieces_show_zero_style_optimizer_state(default_plan):
     plan = load_plan(default_plan)
     block = next(p.intra_plan for s in plan.stages for p in s.pieces if p.name == "block")

@@ -6,6 +6,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -296,10 +297,12 @@ def report(
 ) -> None:
     """Show what a plan decided: stages, layouts, communication, time; or export it (HTML,
     PartitionSpecs, Chrome trace)."""
-    from meshplan.report.load import load_plan
+    from meshplan.report.collectives_text import print_collectives
+    from meshplan.report.load import load_collectives, load_plan
     from meshplan.report.text import OpFilter, print_report
 
     loaded = load_plan(plan)
+    collectives = load_collectives(plan) if Path(plan).is_dir() else None
     console = Console(width=width or None)
     written = []
     if partition_specs:
@@ -322,6 +325,8 @@ def report(
     if not written:
         print_report(loaded, console, OpFilter(None if layer < 0 else layer, name) if ops or name or layer >= 0
                      else None)
+        if collectives is not None:
+            print_collectives(collectives, console)
     else:
         err.print("wrote " + ", ".join(written), highlight=False)
 

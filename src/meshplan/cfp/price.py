@@ -76,6 +76,7 @@ _SENT = {
     CollectiveKind.ALL_GATHER: lambda n: (n - 1) / n,
     CollectiveKind.REDUCE_SCATTER: lambda n: (n - 1) / n,
     CollectiveKind.ALL_TO_ALL: lambda n: (n - 1) / n,
+    CollectiveKind.COLLECTIVE_PERMUTE: lambda n: 1.0,
 }
 
 

@@ -17,6 +17,7 @@ class CollectiveKind(enum.Enum):
     ALL_GATHER = "all-gather"
     REDUCE_SCATTER = "reduce-scatter"
     ALL_TO_ALL = "all-to-all"
+    COLLECTIVE_PERMUTE = "collective-permute"
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,8 @@ class Collective:
     """One collective a strategy implies: its kind, the mesh axes it spans, bytes per device.
 
     `nbytes` is the per-device buffer: the reduced buffer for all-reduce, the gathered
-    output for all-gather, the input for reduce-scatter, the held bytes for all-to-all.
+    output for all-gather, the input for reduce-scatter, the held bytes for all-to-all, the
+    bytes each device sends to one other for a collective-permute.
     """
 
     kind: CollectiveKind
@@ -50,6 +52,7 @@ _BANDWIDTH_FACTOR = {
     CollectiveKind.ALL_GATHER: lambda n: (n - 1) / n,
     CollectiveKind.REDUCE_SCATTER: lambda n: (n - 1) / n,
     CollectiveKind.ALL_TO_ALL: lambda n: (n - 1) / n,
+    CollectiveKind.COLLECTIVE_PERMUTE: lambda n: 1.0,
 }
 _ALPA_ALL_TO_ALL_FACTOR = lambda n: 1.5 * (n - 1) / n / n  # noqa: E731
 
@@ -60,6 +63,7 @@ TIE_CONSTANT = {
     CollectiveKind.ALL_GATHER: 0.1,
     CollectiveKind.REDUCE_SCATTER: 0.001,
     CollectiveKind.ALL_TO_ALL: 0.001,
+    CollectiveKind.COLLECTIVE_PERMUTE: 0.001,
 }
 
 
@@ -92,7 +96,11 @@ class CollectiveCosts:
         axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not axes:
             return 0.0
-        total = min(self._ordered_cost(kind, mesh, order, nbytes) for order in itertools.permutations(axes))
+        if kind is CollectiveKind.COLLECTIVE_PERMUTE:  # one send of the shard, over the slowest link it crosses
+            total = max(mesh.alpha[a] + mesh.beta[a] * nbytes for a in axes)
+            total = math.floor(total) if self.truncate else total
+        else:
+            total = min(self._ordered_cost(kind, mesh, order, nbytes) for order in itertools.permutations(axes))
         if self.tie_constants:
             total += TIE_CONSTANT[kind]
         return total

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from meshplan.cost.collectives import CollectiveKind
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
+from meshplan.intra.method_layout import MethodLayout
 from meshplan.sharding.context import RuleConfig
 from meshplan.sharding.strategy import StrategySpace
 
@@ -29,6 +30,8 @@ class IntraOptions:
         mip_gap: relative gap at which the solver may stop.
         contractions_use_all_axes: see RuleConfig; None decides by whether compute is priced.
         reduce_scatter: see RuleConfig.
+        layout: the layout a parallelization method promises (intra.method_layout); AUTO
+            leaves every choice to the cost model.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -42,6 +45,7 @@ class IntraOptions:
     mip_gap: float = 0.0
     contractions_use_all_axes: bool | None = None
     reduce_scatter: bool = False
+    layout: MethodLayout = MethodLayout.AUTO
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:

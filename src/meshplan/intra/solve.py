@@ -10,6 +10,7 @@ from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, MeshError, SolverError
 from meshplan.intra.ilp import VariableMap, build_ilp
 from meshplan.intra.layers import shared_groups
+from meshplan.intra.method_layout import MethodLayout, free_aliased_results, pin_method_layout
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan, Resharding, chosen_strategy
 from meshplan.intra.problem.graph_problem import graph_problem
@@ -37,13 +38,21 @@ def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> 
     """Enumerate strategies and merge followers into a StrategyGraph; name unsupported ops."""
     check_graph(graph)
     check_mesh_fits(graph, mesh)
+    if options.layout is not MethodLayout.AUTO:
+        graph = free_aliased_results(graph)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnsupportedOpWarning)
         nodes = enumerate_strategies(graph, mesh, options.cost, options.rules)
     unsupported = tuple(sorted({graph[n.node].op for n in nodes if n.fallback}))
     for w in caught:
         warnings.warn(w.message, w.category, stacklevel=3)
-    return build_strategy_graph(graph, mesh, options.cost, nodes), unsupported
+    sg = build_strategy_graph(graph, mesh, options.cost, nodes)
+    dropped = pin_method_layout(sg, options.layout)
+    if dropped:
+        warnings.warn(f"{graph.name!r}: the {options.layout.value} layout cannot be kept at {len(dropped)} node(s), "
+                      f"planned by cost there: {', '.join(dropped[:8])}{' ...' if len(dropped) > 8 else ''}",
+                      LayoutWarning, stacklevel=3)
+    return sg, unsupported
 
 
 def solve_intra_prices(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
@@ -109,6 +118,10 @@ def _solve_strategy_graph(sg: StrategyGraph, graph: Graph, mesh: LogicalMesh, op
 
 def budget_of(mesh: LogicalMesh, options: IntraOptions) -> float | None:
     return options.memory_budget if options.memory_budget is not None else mesh.memory_per_device
+
+
+class LayoutWarning(UserWarning):
+    """Some values cannot take the layout the method promises; the cost model chose theirs."""
 
 
 class PaddedSplitWarning(UserWarning):

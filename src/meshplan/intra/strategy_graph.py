@@ -14,8 +14,9 @@ import numpy as np
 
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import Collective
-from meshplan.cost.model import CostModel
+from meshplan.cost.model import CostModel, ReshardingRule
 from meshplan.ir.graph import Graph
+from meshplan.ir.node import OpKind
 from meshplan.sharding.resharding import resharding_collectives
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import NodeStrategies
@@ -78,6 +79,14 @@ class StrategyGraph:
         if src is dst or src.dims == dst.dims:
             return ()
         node = self.graph[producer]
+        if node.kind is OpKind.BROADCAST and self.model.resharding is ReshardingRule.EXACT:
+            # A broadcast is fused into its consumers, never materialized: XLA converts its
+            # operand (a bias, not the activation-sized result) and broadcasts again locally.
+            operand = self.graph[node.operands[0]]
+            src, dst = (spec.unbroadcast(node.attr("dims"), operand.shape, node.shape) for spec in (src, dst))
+            node = operand
+            if src.dims == dst.dims:
+                return ()
         key = (node.shape, node.dtype, src.dims, dst.dims)
         if key not in self._reshard_cache:
             self._reshard_cache[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst,

@@ -20,6 +20,7 @@ from meshplan.capture import Captured
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.intra.aliases import unshareable_pairs
 from meshplan.intra.options import IntraOptions
+from meshplan.ir import Graph, OpKind
 
 
 class UnusedDonationWarning(UserWarning):
@@ -69,6 +70,50 @@ def pair_donated(captured: Captured, leaves: Sequence[int]) -> Donation:
         free.remove(match)
         pairs.append((arg, match))
     return Donation(tuple(pairs), tuple(unmatched))
+
+
+def pair_updated(captured: Captured, leaves: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(flat argument, flat result) pairs: each of `leaves` with the result that is its new value.
+
+    A result is a candidate for an argument of its shape and dtype when it is computed from it
+    by element-wise ops alone (`w - lr * u`, `b1 * m + (1 - b1) * g`). An update reads other
+    state too (Adam's new weight reads both moments), so candidates are taken nearest first: the
+    fewest element-wise steps between argument and result, then argument order.
+    """
+    graph, position = captured.graph, {node: i for i, node in enumerate(captured.input_nodes)}
+    wanted = set(leaves)
+    candidates = []
+    for out, node in enumerate(captured.output_nodes):
+        for arg, steps in _elementwise_distances(graph, node).items():
+            leaf = position.get(arg)
+            if leaf in wanted and _same_aval(captured, leaf, out) and _same_node_shape(captured, leaf, out):
+                candidates.append((steps, leaf, out))
+    pairs, args, results = [], set(), set()
+    for _, leaf, out in sorted(candidates):
+        if leaf not in args and out not in results:
+            pairs.append((leaf, out))
+            args.add(leaf)
+            results.add(out)
+    return tuple(sorted(pairs))
+
+
+def _elementwise_distances(graph: Graph, out: int) -> dict[int, int]:
+    """Nodes `out` is computed from through element-wise ops of its shape -> fewest such ops
+    in between (`out` itself excluded)."""
+    shape, found, frontier, steps = graph[out].shape, {out: 0}, [out], 0
+    while frontier:
+        steps += 1
+        ahead = []
+        for n in frontier:
+            if graph[n].kind is not OpKind.ELEMENTWISE:
+                continue
+            for o in graph[n].operands:
+                if o not in found and graph[o].shape == shape:
+                    found[o] = steps
+                    ahead.append(o)
+        frontier = ahead
+    del found[out]
+    return found
 
 
 def alias_donated(captured: Captured, donation: Donation) -> Captured:

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 from meshplan.cluster.costs import DeviceCosts, default_mesh_shape
 from meshplan.cost.model import CostModel
 from meshplan.errors import MeshError
+from meshplan.intra.method_layout import MethodLayout
 from meshplan.intra.options import IntraOptions
 
 
@@ -81,17 +82,18 @@ class ShardParallel:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DataParallel:
-    """Data parallelism: a 1-D mesh of all devices, batch arguments split over it.
-
-    Parameters carry no memory price, so the plan keeps them whole on every device unless
-    splitting one is strictly cheaper in the cost model (e.g. a value used only elementwise).
+    """Data parallelism: a 1-D mesh of all devices; every value the batch reaches is split along
+    its batch dim and nothing else, every other value (weights, gradients once summed, optimizer
+    state and update) is whole on every device. The only collectives are the all-reduces that
+    sum gradients (and losses) over the batch, which XLA fuses into one per bucket
+    (`MethodLayout.DATA_PARALLEL`, a constraint on the plan, not a price).
     """
 
     def mesh(self, num_devices: int) -> tuple[int, ...]:
         return (num_devices,)
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        return _plain_options(costs, force_batch_dim_to_mesh_dim=0)
+        return _plain_options(costs, force_batch_dim_to_mesh_dim=0, layout=MethodLayout.DATA_PARALLEL)
 
     @property
     def splits_batch(self) -> bool:
@@ -100,45 +102,46 @@ class DataParallel:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Zero2Parallel(DataParallel):
-    """Data parallelism with a memory price that shards what is cheap to shard (ZeRO-2-like).
+    """Data parallelism with the optimizer state sharded at rest (ZeRO-2).
 
-    A captured function does not tell weights from optimizer state: both are inputs, and
-    without `donate_argnums` meshplan's captured graphs carry no parameter->update aliases,
-    so each input's layout is chosen on its own. A price of half a byte's transfer time per
-    byte held makes a split pay off only when it costs (almost) no communication: optimizer
-    moments, used only elementwise with reduce-scattered gradients, end up sharded; weights
-    that the forward pass needs whole stay replicated (splitting them would cost an
-    all-gather per step).
-    Whether a given tensor is sharded is the ILP's decision; read it from `get_plan()`.
+    Batch values as under DataParallel; weights (inputs the forward pass reads) whole at rest,
+    before and after the step; optimizer state (the other inputs the step updates) split along
+    one dim over all devices, before and after the step. Gradients may be reduce-scattered onto
+    that split, the update runs on each device's shard and the new weights are all-gathered;
+    how is the cost model's choice (`MethodLayout.ZERO2`). Inputs with no dim the device count
+    divides stay whole.
     """
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        cost = CostModel(flops_per_second=costs.flops_per_second, memory_price=0.5 * costs.beta)
-        return IntraOptions(cost=cost, force_batch_dim_to_mesh_dim=0)
+        return _plain_options(costs, force_batch_dim_to_mesh_dim=0, reduce_scatter=True, layout=MethodLayout.ZERO2)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Zero3Parallel(DataParallel):
-    """Data parallelism with every non-batch input (weights and optimizer state) sharded (ZeRO-3).
+    """Data parallelism with weights and optimizer state sharded at rest (ZeRO-3).
 
-    Inputs with no dim that the mesh can split (scalars, tiny vectors) stay replicated.
+    Batch values as under DataParallel; every other input the step updates (weights and
+    optimizer state) split along one dim over all devices, before and after the step; each
+    weight is all-gathered where an operator uses it (`MethodLayout.ZERO3`). Inputs with no dim
+    the device count divides stay whole.
     """
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        cost = CostModel(flops_per_second=costs.flops_per_second, memory_price=10 * costs.beta)
-        return IntraOptions(cost=cost, force_batch_dim_to_mesh_dim=0, allow_replicated_parameters=False)
+        return _plain_options(costs, force_batch_dim_to_mesh_dim=0, reduce_scatter=True, layout=MethodLayout.ZERO3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """Megatron-style tensor parallelism: a 1-D mesh of all devices on which no input may stay
-    whole, so weights are split (column then row in an MLP) and the ILP picks how."""
+    """Megatron-style tensor parallelism on a 1-D mesh of all devices: the batch inputs are
+    whole on every device and no value is split along its batch dim; every weight of rank 2 or
+    more is split along one dim (column then row in an MLP, as the ILP finds cheapest)
+    (`MethodLayout.TENSOR_PARALLEL`)."""
 
     def mesh(self, num_devices: int) -> tuple[int, ...]:
         return (num_devices,)
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        return _plain_options(costs, allow_replicated_parameters=False)
+        return _plain_options(costs, layout=MethodLayout.TENSOR_PARALLEL)
 
     @property
     def splits_batch(self) -> bool:
@@ -146,3 +149,24 @@ class TensorParallel:
 
 
 SPMD_METHODS = (ShardParallel, DataParallel, Zero2Parallel, Zero3Parallel, TensorParallel)
+
+
+_LAYOUT_RULES = {
+    MethodLayout.AUTO: "every layout is the cost model's choice (the ILP prices compute, collectives and "
+                       "resharding; it may split element-wise work and gather activations where a data-parallel "
+                       "plan would replicate weights and all-reduce gradients)",
+    MethodLayout.DATA_PARALLEL: "batch values split along the batch dim, everything else whole; only gradient "
+                                "(and loss) all-reduces",
+    MethodLayout.ZERO2: "batch values split along the batch dim, weights whole at rest, optimizer state split "
+                        "along one dim at rest; gradients reduce-scattered or all-reduced, new weights all-gathered",
+    MethodLayout.ZERO3: "batch values split along the batch dim, weights and optimizer state split along one dim "
+                        "at rest, each weight all-gathered for its use",
+    MethodLayout.TENSOR_PARALLEL: "batch inputs whole, no value split along its batch dim, weights split along one "
+                                  "dim and used where they lie (no weight gathered)",
+}
+
+
+def layout_rule(method: SpmdMethod) -> str:
+    """What `method` promises about the layout of every value, in words (for reports)."""
+    layout = method.options(DeviceCosts()).layout
+    return f"{type(method).__name__}: {_LAYOUT_RULES[layout]}"

@@ -21,15 +21,24 @@ from meshplan.capture import BatchInputs, Captured, capture, find_batch_inputs, 
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, OptionsError
+from meshplan.intra.method_layout import MethodLayout
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
 from meshplan.parallel.call import CallForm
-from meshplan.parallel.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
+from meshplan.parallel.donation import (
+    Donation,
+    alias_donated,
+    drop_unplaceable,
+    pair_donated,
+    pair_updated,
+    warn_not_donated,
+)
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
-from meshplan.parallel.methods import SpmdMethod
+from meshplan.parallel.methods import SpmdMethod, layout_rule
 from meshplan.plan import single_stage_plan
 from meshplan.runtime.abstract import shapes_of
+from meshplan.runtime.collective_check import CollectiveCheck, check_collectives
 from meshplan.runtime.diagnostics import CompileDiagnostics, warn_if_rematerialized
 from meshplan.runtime.sharded import ShardedFunction, execute_sharded, make_jax_mesh, partition_spec, placeable_spec
 
@@ -85,6 +94,15 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         pytree structure (place arguments there once to skip moving them on every call)."""
         return self._require_last().in_shardings
 
+    def get_collectives(self) -> CollectiveCheck:
+        """The last call's planned collectives next to those its compiled executable runs (kind,
+        mesh axes, bytes per device), after the documented normalisation
+        (meshplan.runtime.collective_check)."""
+        return self._check(self._require_last())
+
+    def _check(self, compiled: _Compiled) -> CollectiveCheck:
+        return check_collectives(compiled.plan, compiled.sharded.executable.as_text(), jax.default_backend())
+
     def describe_batch(self) -> str:
         """The batch leaves of the last call, the dim split and why, e.g. "args[2] i32[8, 16] (dim 0),
         inferred: proved independent: ...; other candidates: ..."; "none" when the method splits
@@ -99,7 +117,9 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         the IntraPlan), hlo.txt (compiled HLO), memory.txt (compiled.memory_analysis()), cost.json
         (compiled.cost_analysis()), shardings.txt (input and output shardings of the compiled
         function), diagnostics.json (involuntary full rematerializations XLA reported while
-        compiling, with its messages; compile time; donated argument -> result pairs)."""
+        compiling, with its messages; compile time; donated argument -> result pairs),
+        collectives.json (the plan's collectives next to the executable's, `get_collectives`,
+        with the method's layout rule)."""
         executable = compiled.sharded.executable
         batch = (("batch", _batch_text(compiled, self.method)),) if self.method.splits_batch else ()
         plan = single_stage_plan(compiled.plan, "parallelize", self.__name__,
@@ -107,19 +127,23 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         return {"graph.txt": format_graph(compiled.captured.graph), "hlo.txt": executable.as_text(),
                 "memory.txt": str(executable.memory_analysis()) + "\n", "shardings.txt": _shardings_text(executable),
                 "plan.json": plan.to_dict(), "cost.json": _jsonable(executable.cost_analysis()),
-                "diagnostics.json": _diagnostics(compiled)}
+                "diagnostics.json": _diagnostics(compiled),
+                "collectives.json": {**self._check(compiled).to_dict(), "layout": layout_rule(self.method)}}
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled:
         devices = list(self.devices) if self.devices is not None else jax.devices()
         shape = self.method.mesh(len(devices))
         captured = capture(self.fn, *args, name=self.__name__)
         batch = self._batch_inputs(captured)
-        if self.method.splits_batch:
+        if batch is not None and (self.method.splits_batch or self._promises_layout):
             captured = tag_batch_inputs(captured, batch.dims)
         donated_args = self._donated_positions(args, batch)
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
         mesh = self.costs.mesh(shape)
-        donation, plan = self._solve(captured, pair_donated(captured, self._donated_leaves(args, donated_args)), mesh)
+        donation = pair_donated(captured, self._donated_leaves(args, donated_args))
+        if self._promises_layout:
+            captured = keep_state_layouts(captured, donation, batch)
+        donation, plan = self._solve(captured, donation, mesh)
         if self.donate_argnums != "auto":  # "auto" donates what can be donated, silently
             warn_not_donated(captured, donation, self.__name__, stacklevel=4)
         captured = alias_donated(captured, donation)
@@ -153,9 +177,15 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         undonated = donation.without_pairs()
         return undonated, solve(undonated)
 
+    @property
+    def _promises_layout(self) -> bool:
+        """The method names the layout of every value (DataParallel, ZeRO, TensorParallel)."""
+        return self.method.options(self.costs).layout is not MethodLayout.AUTO
+
     def _batch_inputs(self, captured: Captured) -> BatchInputs | None:
-        """The batch leaves, when the method splits them or "auto" donation must leave them out."""
-        if not self.method.splits_batch and self.donate_argnums != "auto":
+        """The batch leaves, when the method splits them, names their layout or "auto" donation
+        must leave them out."""
+        if not self.method.splits_batch and self.donate_argnums != "auto" and not self._promises_layout:
             return None
         batch = find_batch_inputs(captured, self.batch_argnums, self.__name__)
         if self.method.splits_batch:
@@ -187,6 +217,20 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
                 leaves.extend(range(start, start + count))
             start += count
         return leaves
+
+
+def keep_state_layouts(captured: Captured, donation: Donation, batch: BatchInputs | None) -> Captured:
+    """`captured` with each input the step updates (weights, optimizer state) aliased to its new
+    value (`pair_updated`), so that the state leaves the step laid out as it came in: a method's
+    at-rest layout holds across steps and the next call moves nothing. Donated pairs become
+    aliases later (`alias_donated`); batch inputs are never state."""
+    taken = {a for a, _ in donation.pairs} | {r for _, r in donation.pairs}
+    skipped = taken | ({leaf for leaf, _ in batch.dims} if batch is not None else set())
+    leaves = [i for i in range(len(captured.input_nodes)) if i not in skipped]
+    pairs = tuple((captured.input_nodes[a], captured.output_nodes[r]) for a, r in pair_updated(captured, leaves)
+                  if r not in taken)
+    graph = captured.graph
+    return dataclasses.replace(captured, graph=dataclasses.replace(graph, aliases=(*graph.aliases, *pairs)))
 
 
 def _batch_text(compiled: _Compiled, method: SpmdMethod) -> str:

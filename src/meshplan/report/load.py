@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from meshplan.errors import PlanValidationError
 from meshplan.plan import Plan
 
 PLAN_FILE = "plan.json"
+COLLECTIVES_FILE = "collectives.json"
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -35,3 +38,23 @@ def load_plan(path: str | Path) -> Plan:
         return Plan.from_json(text)
     except PlanValidationError as exc:
         raise PlanValidationError(f"{path}: {exc}") from None
+
+
+def load_collectives(path: str | Path) -> dict[str, Any] | None:
+    """The planned-vs-compiled collectives a `dump_debug_info` folder holds (collectives.json);
+    None for a plan file or a folder without one (pipelined functions, older dumps).
+
+    Raises:
+        PlanValidationError: the file is there but truncated, malformed or missing a field.
+    """
+    path = Path(path) / COLLECTIVES_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        for key in ("backend", "agrees", "normalisation", "rows", "missing", "unplanned"):
+            data[key]  # noqa: B018  (a KeyError names the missing field)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise PlanValidationError(f"{path}: not a collectives file written by dump_debug_info "
+                                  f"({type(exc).__name__}: {exc}); write it again with dump_debug_info") from None
+    return data

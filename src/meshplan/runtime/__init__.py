@@ -2,6 +2,7 @@
 
 from meshplan.inter.schedules import SCHEDULES, Event, Phase, make_schedule
 from meshplan.runtime.boundary import mark_pipeline_boundary, split_into_stages
+from meshplan.runtime.collective_check import CollectiveCheck, check_collectives
 from meshplan.runtime.diagnostics import CompileDiagnostics, RematerializationWarning, compile_lowered
 from meshplan.runtime.pipeline import (
     ForwardResult,
@@ -23,6 +24,7 @@ from meshplan.runtime.sharded import (
 
 __all__ = [
     "SCHEDULES",
+    "CollectiveCheck",
     "CompileDiagnostics",
     "Event",
     "ForwardResult",
@@ -33,6 +35,7 @@ __all__ = [
     "ShardedFunction",
     "apply_update",
     "axis_names",
+    "check_collectives",
     "compile_lowered",
     "execute_sharded",
     "make_jax_mesh",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,8 +20,9 @@ from meshplan.capture import Captured
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import MeshError, PlanValidationError
 from meshplan.intra.plan import IntraPlan
+from meshplan.ir.node import OpKind
 from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered
-from meshplan.sharding.spec import ShardingSpec
+from meshplan.sharding.spec import ShardingSpec, gathered_first
 
 _AXIS_NAMES = ("x", "y", "z")
 
@@ -133,7 +135,7 @@ def execute_sharded(captured: Captured, plan: IntraPlan, mesh: Mesh,
     specs = {c.node: c.output for c in plan.nodes}
     graph = captured.graph
     shard = lambda node: NamedSharding(mesh, partition_spec(placeable_spec(specs[node], graph[node].shape, plan.mesh)))
-    run = _interpreter(captured, specs, plan.mesh, mesh)
+    run = _interpreter(captured, plan, mesh)
     jitted = jax.jit(run, in_shardings=tuple(shard(n) for n in captured.input_nodes),
                      out_shardings=tuple(shard(n) for n in captured.output_nodes),
                      donate_argnums=tuple(donate_argnums))
@@ -156,27 +158,124 @@ def _check_plan(captured: Captured, plan: IntraPlan, mesh: Mesh) -> None:
                         f"build it with make_jax_mesh(plan.mesh)")
 
 
-def _interpreter(captured: Captured, specs: dict[int, ShardingSpec], logical: LogicalMesh, mesh: Mesh) -> Any:
-    """A function of the flat arguments that replays the flat program with sharding constraints."""
-    program = captured.program
-    split = {vid: NamedSharding(mesh, partition_spec(specs[n])) for vid, n in captured.value_nodes.items()
-             if is_constrained(specs[n], tuple(program.avals[vid].shape), captured.graph.nodes[n].shape, logical)}
+def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
+    """A function of the flat arguments that replays the flat program with sharding constraints.
+
+    Every value is constrained to the layout the plan chose for it, replicated ones included: an
+    unconstrained value is left to XLA's sharding propagation, which spreads neighbouring splits
+    into it and adds collectives the plan never priced (seen: an Adam update split like its
+    moments made XLA split the whole backward pass and gather activations). An operand the plan
+    converts for its consumer is constrained again, to the layout the consumer asked for, right
+    before the consumer runs: XLA then partitions the op as planned instead of picking its own
+    algorithm for the mismatched layouts. A broadcast is converted as the plan prices it: its
+    operand is converted and broadcast again (not the broadcast result, a tensor of the
+    activations' size)."""
+    program, graph, logical = captured.program, captured.graph, plan.mesh
+    specs = {c.node: c.output for c in plan.nodes}
+    named = lambda spec: NamedSharding(mesh, partition_spec(spec))  # noqa: E731
+    placed = {vid: named(specs[n]) for vid, n in captured.value_nodes.items()
+              if is_placeable(specs[n], tuple(program.avals[vid].shape), graph[n].shape, logical)}
+    conversions = _conversions(captured, plan, named)
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(program.constants)
         env.update(zip(program.inputs, flat_args, strict=True))
-        for step in program.steps:
-            outs = step.primitive.bind(*(env[i] for i in step.inputs), **step.params)
+        for k, step in enumerate(program.steps):
+            ins = [_convert(env, vid, conversions.get((k, i))) for i, vid in enumerate(step.inputs)]
+            outs = step.primitive.bind(*ins, **step.params)
             outs = outs if step.primitive.multiple_results else (outs,)
             for vid, value in zip(step.outputs, outs, strict=True):
-                sharding = split.get(vid)
-                env[vid] = value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+                env[vid] = _constrain(value, placed.get(vid))
         return tuple(env[v] for v in program.outputs)
 
     return run
 
 
+@dataclass(frozen=True, slots=True)
+class _Conversion:
+    """An operand converted for its consumer: constrained to `sharding`, through `via` first when
+    the plan gathers before slicing (`sharding.resharding.gathered_first`); a broadcast's operand
+    (value `source`) constrained to `source_sharding` first and broadcast again by `step`."""
+
+    sharding: NamedSharding
+    via: NamedSharding | None = None
+    step: Any = None
+    source: int | None = None
+    source_sharding: NamedSharding | None = None
+
+
+def _conversions(captured: Captured, plan: IntraPlan, named: Any) -> dict[tuple[int, int], _Conversion]:
+    """(step, input position) -> how the step's node wants that input converted, where the plan
+    converts it (the step's node reads the input's node directly and requires another spec)."""
+    program, graph, logical = captured.program, captured.graph, plan.mesh
+    chosen = {c.node: c for c in plan.nodes}
+    made_by = {vid: step for step in program.steps for vid in step.outputs}
+    found = {}
+    for k, step in enumerate(program.steps):
+        consumer = captured.value_nodes.get(step.outputs[0]) if step.outputs else None
+        if consumer is None:
+            continue
+        for i, vid in enumerate(step.inputs):
+            producer = captured.value_nodes.get(vid)
+            spec = _required(graph, consumer, chosen[consumer].operands, producer)
+            if spec is None or spec == chosen[producer].output or not is_placeable(
+                    spec, tuple(program.avals[vid].shape), graph[producer].shape, logical):
+                continue
+            via = gathered_first(chosen[producer].output, spec, logical)
+            found[(k, i)] = _rebroadcast(captured, producer, spec, made_by.get(vid), named) or _Conversion(
+                named(spec), None if via is None else named(via))
+    return found
+
+
+def _required(graph: Any, consumer: int, required: tuple[ShardingSpec, ...],
+              producer: int | None) -> ShardingSpec | None:
+    """The spec `consumer` requires of `producer`'s value: of the operand itself, or, where
+    capture made the primitive's implicit broadcast a node of its own, of the value before it."""
+    for operand, spec in zip(graph[consumer].operands, required, strict=True):
+        if operand == producer:
+            return spec
+    for operand, spec in zip(graph[consumer].operands, required, strict=True):
+        node = graph[operand]
+        if node.kind is OpKind.BROADCAST and node.operands == (producer,):
+            return spec.unbroadcast(node.attr("dims"), graph[producer].shape, node.shape)
+    return None
+
+
+def _rebroadcast(captured: Captured, producer: int, spec: ShardingSpec, step: Any, named: Any) -> _Conversion | None:
+    """The conversion of a broadcast result through its operand, when the program's step is the
+    graph's broadcast node of one operand."""
+    graph = captured.graph
+    node = graph[producer]
+    if node.kind is not OpKind.BROADCAST or step is None or len(step.inputs) != 1 \
+            or captured.value_nodes.get(step.inputs[0]) != node.operands[0]:
+        return None
+    operand = graph[node.operands[0]]
+    return _Conversion(named(spec), None, step, step.inputs[0],
+                       named(spec.unbroadcast(node.attr("dims"), operand.shape, node.shape)))
+
+
+def _convert(env: dict[int, Any], vid: int, conversion: _Conversion | None) -> Any:
+    if conversion is None:
+        return env[vid]
+    if conversion.step is None:
+        return _constrain(_constrain(env[vid], conversion.via), conversion.sharding)
+    source = _constrain(env[conversion.source], conversion.source_sharding)
+    return _constrain(conversion.step.primitive.bind(source, **conversion.step.params), conversion.sharding)
+
+
+def _constrain(value: Any, sharding: NamedSharding | None) -> Any:
+    return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
+
+def is_placeable(spec: ShardingSpec, value_shape: tuple[int, ...], node_shape: tuple[int, ...],
+                 mesh: LogicalMesh) -> bool:
+    """A value can be constrained to `spec` when its node has the value's own shape and the spec
+    splits it evenly (padded splits are left to XLA)."""
+    return value_shape == node_shape and spec.is_valid_for(value_shape, mesh)
+
+
 def is_constrained(spec: ShardingSpec, value_shape: tuple[int, ...], node_shape: tuple[int, ...],
-                mesh: LogicalMesh) -> bool:
-    """Constrain only values the plan splits, evenly, and whose node has the value's own shape."""
-    return not spec.is_replicated and value_shape == node_shape and spec.is_valid_for(value_shape, mesh)
+                   mesh: LogicalMesh) -> bool:
+    """Constrain only values the plan splits, evenly, and whose node has the value's own shape
+    (the pipeshard stages' rule; `execute_sharded` constrains replicated values too)."""
+    return not spec.is_replicated and is_placeable(spec, value_shape, node_shape, mesh)

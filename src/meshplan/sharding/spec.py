@@ -72,6 +72,14 @@ class ShardingSpec:
             out[d] = self.dims[i]
         return ShardingSpec(tuple(out))
 
+    def unbroadcast(self, dims: Sequence[int], operand_shape: Sequence[int],
+                    out_shape: Sequence[int]) -> ShardingSpec:
+        """The operand spec whose broadcast_in_dim(x, dims) is this spec where it can be: the
+        splits of the output dims that hold operand dims (size-1 operand dims that the broadcast
+        expands hold none)."""
+        return ShardingSpec(tuple(self.dims[d] if operand_shape[i] == out_shape[d] else ()
+                                  for i, d in enumerate(dims)))
+
     def reduce(self, dims: Sequence[int]) -> ShardingSpec:
         """Spec of reduce(x, dims): the reduced dims disappear (their axes need an all-reduce)."""
         return ShardingSpec(tuple(a for d, a in enumerate(self.dims) if d not in dims))
@@ -99,6 +107,34 @@ class ShardingSpec:
             raise ValueError(f"{text!r} is not a sharding spec like S0R or RS01")
         return ShardingSpec(tuple(() if part == "R" else tuple(int(a) for a in part[1:])
                                   for part in re.findall(r"R|S\d+", text)))
+
+
+def gathered_first(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> ShardingSpec | None:
+    """The layout a conversion passes through when one collective cannot do it: the axes it
+    drops are gathered first, then the rest exchanged (S01R -> RS0: gather axis 1, then move
+    axis 0); axes that leave one dim for several, or several dims for one, are gathered too and
+    the result sliced. XLA's partitioner has no collective for either and gathers the whole value
+    itself, calling it an involuntary rematerialization (measured on 8 CPU devices: S01RR ->
+    RRS0, RRS01 -> S1S0R, S0S1R -> RRS01); the runtime converts through this layout explicitly.
+    None when one collective (or none) does it."""
+    moved, dropped = moved_and_dropped(src, dst, mesh)
+    if len({(src.dim_of_axis(a), dst.dim_of_axis(a)) for a in moved}) > 1:
+        return src.without_axes(moved + dropped)
+    return src.without_axes(dropped) if moved and dropped else None
+
+
+def moved_and_dropped(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[list[int], list[int]]:
+    """Axes of `src` (with more than one device) that `dst` puts on another dim, and that it drops."""
+    moved, dropped = [], []
+    for axis in src.axes():
+        if mesh.shape[axis] == 1:
+            continue
+        target = dst.dim_of_axis(axis)
+        if target is None:
+            dropped.append(axis)
+        elif target != src.dim_of_axis(axis):
+            moved.append(axis)
+    return moved, dropped
 
 
 def reshape_spec(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence[int],

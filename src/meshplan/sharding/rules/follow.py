@@ -44,9 +44,13 @@ def deepest_operand(node: Node, ctx: RuleContext) -> int:
     """Position of the operand to follow: not a constant (a broadcast scalar would pin the
     result replicated), then, in an optimizer update, the optimizer state (so the state's
     layout, not the gradient's, decides: ZeRO-style sharding of the state stays possible),
-    then the one furthest from the inputs, then the first."""
+    then, when the batch dim is forced onto a mesh axis, one that carries the batch (a bias
+    broadcast to the activations' shape cannot split their batch dim), then the one furthest
+    from the inputs, then the first."""
     update = bool(node.attr("per_iteration"))
-    keys = [(o not in ctx.constant_like, update and o in ctx.state_derived, ctx.depth[o]) for o in node.operands]
+    batch = ctx.batch_dims
+    keys = [(o not in ctx.constant_like, update and o in ctx.state_derived, o in batch, ctx.depth[o])
+            for o in node.operands]
     position = keys.index(max(keys))
     if keys[position][1]:
         ctx.state_derived.add(node.id)
@@ -59,8 +63,9 @@ def _relayout_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 
     specs = full_specs(node, ctx) + [ShardingSpec.replicated(node.rank)]
     weight = ctx.communication_weight(node)
+    n = len(node.operands)
     return NodeStrategies(node.id, tuple(
-        Strategy(f"relayout {spec}", spec, (spec,), memory=ctx.local_bytes(node, spec),
+        Strategy(f"relayout {spec}", spec, (spec,) * n, memory=ctx.local_bytes(node, spec),
                  penalty=ctx.model.activation_price * ctx.local_bytes(node, spec) * weight) for spec in specs))
 
 
