@@ -390,5 +390,5 @@ def test_step_returning_gradients_without_updates_cuts_the_batch_not_the_weights
     parallel = parallelize(step, method=PipeshardParallel(2))
     got, want = parallel(params, x, y), jax.jit(step)(params, x, y)
     assert parallel.describe_batch().startswith("args[1] f32[16, 32] (dim 0), args[2] f32[16, 8] (dim 0)")
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
