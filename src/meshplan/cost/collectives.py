@@ -1,8 +1,8 @@
-"""Alpha-beta costs of collectives over the axes of a logical mesh."""
+"""Costs of collectives over the axes of a logical mesh: node-aware (meshplan.cost.links) on a mesh
+that knows its nodes, alpha-beta per axis otherwise (Alpa's unit setting, measured costs)."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Sequence
@@ -10,13 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.cluster.mesh import LogicalMesh
-
-
-class CollectiveKind(enum.Enum):
-    ALL_REDUCE = "all-reduce"
-    ALL_GATHER = "all-gather"
-    REDUCE_SCATTER = "reduce-scatter"
-    ALL_TO_ALL = "all-to-all"
+from meshplan.cost.links import CollectiveKind, Group, Links, collective_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +66,17 @@ class CollectiveCosts:
         tie_constants: add TIE_CONSTANT per collective (Alpa's playground).
         alpa_all_to_all: use Alpa's scaled-down all-to-all term instead of (n-1)/n.
         forced: a fixed cost per collective kind, whatever the bytes (Alpa's force_*_cost).
+        link_efficiency: on a mesh that knows its nodes (`LogicalMesh.topology`), price each
+            collective as one NCCL communicator over its ranks with the node-aware link model
+            (meshplan.cost.links) at this fraction of the nominal bandwidths; None keeps the
+            per-axis alpha-beta terms.
     """
 
     truncate: bool = False
     tie_constants: bool = False
     alpa_all_to_all: bool = False
     forced: tuple[tuple[CollectiveKind, float], ...] = ()
+    link_efficiency: float | None = None
 
     def cost(self, kind: CollectiveKind, mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
         """Cost of one collective of `kind` over mesh `axes` with `nbytes` per device.
@@ -92,6 +91,9 @@ class CollectiveCosts:
         axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not axes:
             return 0.0
+        if self.link_efficiency is not None and mesh.topology is not None:
+            links = Links.of(mesh.topology, self.link_efficiency)
+            return collective_seconds(kind, nbytes, Group(*mesh.group_locality(axes)), links)
         total = min(self._ordered_cost(kind, mesh, order, nbytes) for order in itertools.permutations(axes))
         if self.tie_constants:
             total += TIE_CONSTANT[kind]

@@ -36,6 +36,10 @@ class LayerCost:
         peak_activation_bytes: the activations of the largest piece of the layer (a layer may
             stack pieces, e.g. the embedding and the first block), live at once when the layer
             is recomputed; -1 means `activation_bytes`.
+        attention_forward_time: the forward time of the attention cores (paid again under
+            selective recomputation).
+        attention_activation_bytes: the activations only the attention cores keep (scores,
+            probabilities; what selective recomputation drops).
     """
 
     time: float
@@ -48,6 +52,8 @@ class LayerCost:
     transient_bytes: float
     flops: float
     peak_activation_bytes: float = -1.0
+    attention_forward_time: float = 0.0
+    attention_activation_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.peak_activation_bytes < 0:
@@ -124,6 +130,12 @@ class TrainingParts:
         inputs: parameters that arrive per micro-batch (activations, cotangents, tokens): not held.
         recompute_inputs: the inputs kept when the layer is recomputed.
         held: nodes held all along besides the non-input parameters (e.g. accumulated gradients).
+        saved: the forward values the backward pass keeps (a pricer that knows how the graph
+            runs as fused kernels gives them); empty: every forward value a backward node reads.
+        attention_saved: the part of `saved` only attention cores need (dropped when they are
+            recomputed: selective recomputation).
+        attention: the forward nodes of attention cores (run again under selective recomputation).
+        fp8_saved: saved values kept in fp8 (GEMM inputs when GEMMs run in fp8).
     """
 
     forward_end: int
@@ -132,6 +144,10 @@ class TrainingParts:
     inputs: tuple[int, ...]
     recompute_inputs: tuple[int, ...]
     held: tuple[int, ...]
+    saved: tuple[int, ...] = ()
+    attention_saved: tuple[int, ...] = ()
+    attention: tuple[int, ...] = ()
+    fp8_saved: tuple[int, ...] = ()
 
 
 def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbatches: int) -> LayerCost:
@@ -162,11 +178,25 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
     inputs = set(parts.inputs)
     static = sum(plan.nodes[n.id].memory for n in graph.parameters() if n.id not in inputs)
     static += sum(plan.nodes[v].memory for v in parts.held)
-    activation = sum(plan.nodes[v].memory for v in _saved_activations(graph, parts))
+    activation = _saved_bytes(graph, plan, parts, parts.saved or _saved_activations(graph, parts))
     input_bytes = sum(plan.nodes[v].memory for v in parts.recompute_inputs)
     transient = max(0.0, plan.peak_memory - static - activation)
     flops = sum(node_flops(graph, n) for n in graph.nodes[: parts.backward_end + 1])
-    return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops)
+    attention_bytes = _saved_bytes(graph, plan, parts, parts.attention_saved)
+    attention_time = sum(_node_time(plan, reshard, v) for v in parts.attention)
+    return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops,
+                     attention_forward_time=attention_time, attention_activation_bytes=attention_bytes)
+
+
+def _node_time(plan: IntraPlan, reshard: list[float], node: int) -> float:
+    chosen = plan.nodes[node]
+    return chosen.compute + sum(c.cost for c in chosen.collectives) + reshard[node]
+
+
+def _saved_bytes(graph: Graph, plan: IntraPlan, parts: TrainingParts, values) -> float:
+    """Bytes per device of the saved `values` (fp8 copies at one byte per element)."""
+    fp8 = set(parts.fp8_saved)
+    return sum(plan.nodes[v].memory / (graph[v].dtype.itemsize if v in fp8 else 1) for v in values)
 
 
 def _saved_activations(graph: Graph, parts: TrainingParts) -> list[int]:

@@ -5,8 +5,8 @@ in flight (the schedule says how many: under 1F1B the stage s-th from the end ho
 and the working memory of the one layer running. Two recomputation choices: none (keep every
 saved activation) or full (keep the stage inputs; run each layer's forward again before its
 backward). Hand-offs to the next stage are priced per device: each device of the sending view
-sends its share of the boundary's activations, and receives its gradient, over the inter-node
-link.
+sends its share of the boundary's activations, and receives its gradient, over the link it
+crosses (meshplan.cost.links).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.links import Links, send_seconds
 from meshplan.inter.costs import LayerCost, LayerCosts, ViewCosts
 from meshplan.inter.schedules import Schedule
 
@@ -47,15 +48,24 @@ class StageEstimate:
     devices: tuple[int, ...] = ()
 
 
-def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster, in_node: bool = False) -> float:
+def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster, in_node: bool = False,
+                 link_efficiency: float = 1.0) -> float:
     """Seconds to send one micro-batch's activations after layer `last` and get their gradient
     back, each device of `view` moving its share over the inter-node link, or the intra-node
-    link when both stages sit in one node (0 after the last layer)."""
+    link when both stages sit in one node (0 after the last layer); links at `link_efficiency`
+    of their nominal bandwidth (meshplan.cost.links)."""
     if last >= costs.num_layers - 1:
         return 0.0
-    d = cluster.device
-    latency, beta = (d.intra_latency, d.intra_beta) if in_node else (d.inter_latency, d.inter_beta)
-    return 2 * (latency + costs.handoff_bytes[last] / view.devices * beta)
+    links = Links.of(cluster.device, link_efficiency)
+    return 2 * send_seconds(costs.handoff_bytes[last] / view.devices, not in_node, links)
+
+
+def handoff_in_node(view: ViewCosts, cluster: Cluster, node_local: bool) -> bool:
+    """Whether the stage DP prices the hand-off after a stage on `view` on the intra-node link:
+    with `node_local`, a stage on part of a node is placed beside the next one where it fits
+    (placement then re-prices the hand-offs that do cross); a whole-node stage always hands off
+    across nodes."""
+    return node_local and view.submesh[1] < cluster.devices_per_node
 
 
 def range_cost(view: ViewCosts, menu: int, first: int, last: int) -> dict[str, float]:
@@ -126,10 +136,12 @@ def leanest_memory(view: ViewCosts, first: int, last: int, stages_left: int, num
 
 def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
                   num_microbatches: int, capacity: float, schedule: Schedule,
-                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1) -> np.ndarray:
+                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1,
+                  node_local: bool = False, link_efficiency: float = 1.0) -> np.ndarray:
     """[first, last, sub-mesh, stages left] -> best stage key over views, menu entries and
     recomputation (inf: nothing fits); `sends`: hand-offs per micro-batch at the stage's end
-    (the model chunks per device under the interleaved schedule)."""
+    (the model chunks per device under the interleaved schedule), on the link `handoff_in_node`
+    says."""
     num_layers = costs.num_layers
     table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
     inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(num_layers + 1)])
@@ -139,7 +151,9 @@ def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], clu
         # counts; the table at s is then the best over c > s (a suffix minimum).
         by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
         for view in views:
-            transfer = sends * np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
+            in_node = handoff_in_node(view, cluster, node_local)
+            transfer = sends * np.array([handoff_time(costs, view, k, cluster, in_node, link_efficiency)
+                                         for k in range(num_layers)])
             for menu in range(view.menu_size):
                 for latency, fits in _menu_choices(view, menu, transfer, num_microbatches, capacity, inflight,
                                                    recompute_choices):

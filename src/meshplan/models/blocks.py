@@ -66,13 +66,15 @@ def attention(b: GraphBuilder, x: int, cfg: TransformerConfig, prefix: str) -> i
     if cfg.rotary:  # x * cos + rotate(x) * sin: two products and a sum per element
         q = b.add(b.mul(q, b.full(b.shape(q), 1.0, dtype)), b.mul(q, b.full(b.shape(q), 0.0, dtype)))
         k = b.add(b.mul(k, b.full(b.shape(k), 1.0, dtype)), b.mul(k, b.full(b.shape(k), 0.0, dtype)))
-    scores = b.dot(q, k, (4,), (3,), (0, 2), (0, 2), name=f"{prefix}.scores")  # [b, kvh, s, group, s]
-    shape = b.shape(scores)
-    scores = b.mul(scores, b.full(shape, d ** -0.5, dtype))
-    if cfg.causal:
-        scores = b.add(scores, b.full(shape, 0.0, dtype))  # the mask: one add per score
-    probs = _softmax(b, scores)
-    ctx = b.dot(probs, v, (4,), (1,), (0, 1), (0, 2), name=f"{prefix}.context")  # [b, kvh, s, group, d]
+    # The attention core: one fused kernel with flash attention (meshplan.cost.fusion).
+    with b.kernel("causal_attention" if cfg.causal else "attention"):
+        scores = b.dot(q, k, (4,), (3,), (0, 2), (0, 2), name=f"{prefix}.scores")  # [b, kvh, s, group, s]
+        shape = b.shape(scores)
+        scores = b.mul(scores, b.full(shape, d ** -0.5, dtype))
+        if cfg.causal:
+            scores = b.add(scores, b.full(shape, 0.0, dtype))  # the mask: one add per score
+        probs = _softmax(b, scores)
+        ctx = b.dot(probs, v, (4,), (1,), (0, 1), (0, 2), name=f"{prefix}.context")  # [b, kvh, s, group, d]
     wo = b.parameter((kvh, group, d, hidden), dtype, name=f"{prefix}.wo")
     out = b.dot(ctx, wo, (1, 3, 4), (0, 1, 2), name=f"{prefix}.out")  # [b, s, hidden]
     return _bias(b, out, f"{prefix}.out_bias") if cfg.mlp == "gelu" else out
@@ -133,9 +135,12 @@ def block(b: GraphBuilder, x: int, cfg: TransformerConfig, index: int) -> int:
     prefix = f"layer{index}"
     x = b.add(x, attention(b, norm(b, x, cfg, f"{prefix}.attn_norm"), cfg, f"{prefix}.attn"),
               name=f"{prefix}.attn_residual")
+    b.tag(x, stored=True)  # the residual stream is written between the fused kernels
     ffn = moe_mlp if cfg.is_moe_layer(index) else mlp
-    return b.add(x, ffn(b, norm(b, x, cfg, f"{prefix}.ffn_norm"), cfg, f"{prefix}.mlp"),
-                 name=f"{prefix}.ffn_residual")
+    out = b.add(x, ffn(b, norm(b, x, cfg, f"{prefix}.ffn_norm"), cfg, f"{prefix}.mlp"),
+                name=f"{prefix}.ffn_residual")
+    b.tag(out, stored=True)
+    return out
 
 
 def embedding(b: GraphBuilder, cfg: TransformerConfig, batch: int, seq: int, dtype: DType) -> tuple[int, list[int]]:

@@ -89,9 +89,11 @@ def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], o
     if optimizer not in OPTIMIZERS:
         raise ModelSpecError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     grads = append_backward(b, loss, [*inputs, *weights])
+    backward_end = len(b) - 1
+    for node_id in range(loss + 1, backward_end + 1):
+        b.tag(node_id, backward=True)
     for w in weights:
         _mark_accumulated(b, grads[w])
-    backward_end = len(b) - 1
     updated = append_adam(b, weights, grads, master_dtype=DType.F32, relayout=True) if optimizer == "adam" \
         else append_sgd(b, weights, grads)
     for node_id in range(backward_end + 1, len(b)):

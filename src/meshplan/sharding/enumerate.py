@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.fusion import Fusion, fuse
 from meshplan.cost.model import CostModel
 from meshplan.ir.dimflow import trace_dims
 from meshplan.ir.graph import Graph
@@ -26,7 +27,8 @@ def enumerate_strategies(graph: Graph, mesh: LogicalMesh, model: CostModel,
     batch_dims = {}
     if config.force_batch_dim_to_mesh_dim is not None:
         batch_dims = trace_dims(graph, batch_sources(graph))
-    ctx = RuleContext(graph, mesh, model, config, node_depths(graph), batch_dims, constant_nodes(graph))
+    ctx = RuleContext(graph, mesh, model, config, node_depths(graph), batch_dims, constant_nodes(graph),
+                      fusion_of(graph, model))
     unknown: set[str] = set()
     for node in graph.nodes:
         rule = rule_for(node.kind)
@@ -47,9 +49,15 @@ def reprice_parameters(graph: Graph, mesh: LogicalMesh, model: CostModel, config
     model that differs from it only in `memory_price`: that price reaches parameters' strategies
     alone (their penalty), so only their rule runs again (a memory-price menu re-plans a graph
     several times; the other rules are most of the enumeration's time)."""
-    ctx = RuleContext(graph, mesh, model, config or RuleConfig(), node_depths(graph), {}, constant_nodes(graph))
+    ctx = RuleContext(graph, mesh, model, config or RuleConfig(), node_depths(graph), {}, constant_nodes(graph),
+                      fusion_of(graph, model))
     return tuple(rule_for(OpKind.PARAMETER)(node, ctx) if node.kind is OpKind.PARAMETER else previous[node.id]
                  for node in graph.nodes)
+
+
+def fusion_of(graph: Graph, model: CostModel) -> Fusion | None:
+    """The fused-kernel view the model's kernel costs price (None without kernel models)."""
+    return fuse(graph, model.kernels.flash) if model.kernels is not None else None
 
 
 def constant_nodes(graph: Graph) -> frozenset[int]:

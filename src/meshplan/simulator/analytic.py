@@ -30,7 +30,15 @@ import math
 from dataclasses import dataclass
 
 from meshplan.cluster.cluster import Cluster
-from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
+from meshplan.cost.kernels import (
+    DEFAULT_EFFICIENCY,
+    KernelEfficiency,
+    fused_attention_seconds,
+    gemm_seconds,
+    memory_seconds,
+    optimizer_step_bytes,
+)
+from meshplan.cost.links import CollectiveKind, Group, Links, collective_seconds, exposed_seconds, send_seconds
 from meshplan.inter.schedules import pipeline_latency
 from meshplan.ir import DType
 from meshplan.simulator.job import TrainingJob
@@ -160,6 +168,7 @@ class _Pricer:
     def __init__(self, job: TrainingJob, cluster: Cluster, layout: Layout, eff: KernelEfficiency) -> None:
         self.job, self.cluster, self.layout, self.eff = job, cluster, layout, eff
         self.model, self.device = job.model, cluster.device
+        self.links = Links.of(cluster.device, eff.link)
         self.flash = self.device.flash_attention if layout.flash is None else layout.flash
         self.bytes = job.dtype.itemsize
         self.tokens = layout.mb * job.seq_len // layout.cp  # per device per micro-batch
@@ -172,39 +181,23 @@ class _Pricer:
         self._moe = job.model.moe_layers()
         self._any_moe = any(self._moe)
         self._layer_params: dict[bool, tuple[float, float]] = {}
-        self._reductions: dict[tuple[float, int], float] = {}
+        self._reductions: dict[tuple[CollectiveKind, float, int], float] = {}
         self._activations: dict[bool, tuple[float, float]] = {}
 
     # -- links -----------------------------------------------------------------------------
 
-    def _group_link(self, stride: int, size: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of `size` ranks `stride` apart: NVLink when they
-        share a node, the inter-node share of one device otherwise."""
-        d, per_node = self.device, self.cluster.devices_per_node
-        if size <= 1 or stride * size <= per_node:
-            return d.intra_bandwidth * self.eff.link, d.intra_latency
-        return d.inter_bandwidth * self.eff.link, d.inter_latency
-
-    def _ring(self, kind: str, nbytes: float, stride: int, size: int) -> float:
-        """Ring all-reduce ("ar"), all-gather or reduce-scatter ("ag"/"rs") of `nbytes` per device."""
-        if size <= 1 or nbytes <= 0:
-            return 0.0
-        bandwidth, latency = self._group_link(stride, size)
-        steps = 2 * (size - 1) if kind == "ar" else size - 1
-        return steps * latency + steps / size * nbytes / bandwidth
+    def _collective(self, kind: CollectiveKind, nbytes: float, size: int, stride: int) -> float:
+        """One collective over `size` ranks `stride` apart in Megatron's rank order."""
+        group = Group.strided(size, stride, self.cluster.devices_per_node)
+        return collective_seconds(kind, nbytes, group, self.links)
 
     # -- compute ---------------------------------------------------------------------------
 
     def _gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
-        fp8 = self.layout.fp8
-        peak = self.device.fp8_flops if fp8 else self.device.peak_flops
-        if m <= 0 or n <= 0 or k <= 0:
-            return 0.0
-        return count * 2 * m * n * k / (peak * self.eff.gemm(m, n, k, fp8))
+        return gemm_seconds(self.device, self.eff, m, n, k, count, self.layout.fp8)
 
     def _hbm(self, nbytes: float) -> float:
-        bandwidth = self.device.memory_bandwidth or self.device.peak_flops / 100.0
-        return nbytes / (bandwidth * self.eff.memory)
+        return memory_seconds(self.device, self.eff, nbytes)
 
     def _layer(self, moe: bool) -> _LayerTimes:
         model, lay, t = self.model, self.layout, self.tokens
@@ -217,8 +210,7 @@ class _Pricer:
         core_flops = 4 * lay.mb * heads * (seq_all / lay.cp) * seq_all * d
         scores = lay.mb * heads * (seq_all / lay.cp) * seq_all  # per device
         if self.flash:
-            causal = 0.5 if model.causal else 1.0
-            attention = causal * core_flops / (self.device.peak_flops * self.eff.attention)
+            attention = fused_attention_seconds(self.device, self.eff, core_flops, model.causal)
             softmax = 0.0
         else:
             attention = (self._gemm(seq_all / lay.cp, seq_all, d, lay.mb * heads)
@@ -232,7 +224,9 @@ class _Pricer:
         elementwise = self._hbm(self.bytes * (10 * t * h / split + 3 * t * width / tp
                                               + (4 * t * (heads + kv) * d if model.rotary else 0)))
         forward_compute = gemms + attention + softmax + elementwise
-        backward_compute = 2 * gemms + (2.5 if self.flash else 2.0) * (attention + softmax) + 2 * elementwise
+        core_backward = (fused_attention_seconds(self.device, self.eff, 2 * core_flops, model.causal, backward=True)
+                         if self.flash else 2 * (attention + softmax))
+        backward_compute = 2 * gemms + core_backward + 2 * elementwise
         tp_comm = self._tp_comm() + self._cp_comm(attention)
         moe_comm = self._moe_comm() if moe else 0.0
         gather, scatter = self._fsdp_comm(moe)
@@ -252,8 +246,8 @@ class _Pricer:
         if not lay.fsdp or group == 1:
             return 0.0, 0.0
         params = self.model.block_params(moe) / lay.tp
-        weights = self._hierarchical(params * self.bytes, group) / 2  # an all-gather: half an all-reduce
-        grads = self._hierarchical(params * self._grad_bytes, group) / 2
+        weights = self._data_parallel_collective(CollectiveKind.ALL_GATHER, params * self.bytes, group)
+        grads = self._data_parallel_collective(CollectiveKind.REDUCE_SCATTER, params * self._grad_bytes, group)
         return weights, grads
 
     def _mlp_width(self, moe: bool) -> float:
@@ -283,19 +277,19 @@ class _Pricer:
         if lay.tp == 1:
             return 0.0
         nbytes = self.tokens * self.model.hidden * self.bytes
-        seconds = 2 * self._ring("ar", nbytes, 1, lay.tp)
+        seconds = 2 * self._collective(CollectiveKind.ALL_REDUCE, nbytes, lay.tp, 1)
         return seconds * (1 - self.eff.tp_overlap_hidden if lay.tp_overlap else 1.0)
 
     def _cp_comm(self, attention: float) -> float:
         """Ring attention passes key/value blocks around the context-parallel group while it
-        computes; only what the attention does not hide is exposed."""
+        computes (the bytes of an all-gather of every rank's block); only what the attention does
+        not hide is exposed."""
         lay = self.layout
         if lay.cp == 1:
             return 0.0
         kv = max(1.0, self.model.num_kv_heads / lay.tp)
         block = 2 * self.tokens * kv * self.model.head_dim * self.bytes
-        bandwidth, latency = self._group_link(lay.tp, lay.cp)
-        exchange = (lay.cp - 1) * (latency + block / bandwidth)
+        exchange = self._collective(CollectiveKind.ALL_GATHER, lay.cp * block, lay.cp, lay.tp)
         return max(0.0, exchange - attention)
 
     def _moe_comm(self) -> float:
@@ -304,8 +298,7 @@ class _Pricer:
         if lay.ep == 1:
             return 0.0
         nbytes = self.tokens * model.top_k * model.hidden * self.bytes
-        bandwidth, latency = self._group_link(lay.tp * lay.cp, lay.ep)
-        return 2 * ((lay.ep - 1) * latency + (lay.ep - 1) / lay.ep * nbytes / bandwidth)
+        return 2 * self._collective(CollectiveKind.ALL_TO_ALL, nbytes, lay.ep, lay.tp * lay.cp)
 
     # -- stages ----------------------------------------------------------------------------
 
@@ -324,10 +317,7 @@ class _Pricer:
         nbytes = self.tokens * self.model.hidden * self.bytes / lay.tp
         per_node, size = self.cluster.devices_per_node, lay.stage_devices
         crosses = size >= per_node or ((stage + 1) * size) % per_node == 0
-        d = self.device
-        bandwidth, latency = ((d.inter_bandwidth, d.inter_latency) if crosses
-                              else (d.intra_bandwidth, d.intra_latency))
-        return 2 * lay.vp * (latency + nbytes / (bandwidth * self.eff.link))
+        return 2 * lay.vp * send_seconds(nbytes, crosses, self.links)
 
     def _head(self) -> float:
         """LM head GEMM and cross-entropy of one micro-batch (forward + backward) on the last stage."""
@@ -417,41 +407,29 @@ class _Pricer:
         worst_sync = worst_opt = 0.0
         for j, layers in enumerate(stages):
             dense, expert = self._stage_params(layers, j == 0, j == lay.pp - 1)
-            comm = self._hierarchical(dense * grad_bytes, group) + self._hierarchical(expert * grad_bytes,
-                                                                                      group // lay.ep)
+            reduction = CollectiveKind.REDUCE_SCATTER if lay.distributed_optimizer else CollectiveKind.ALL_REDUCE
+            comm = (self._data_parallel_collective(reduction, dense * grad_bytes, group)
+                    + self._data_parallel_collective(reduction, expert * grad_bytes, group // lay.ep))
             if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
                 comm = self._fsdp_comm(self._moe[layers[-1]])[1] if layers else 0.0
-            elif lay.distributed_optimizer:
-                comm = comm / 2 + self._hierarchical(dense * self.bytes, group) / 2  # RS of grads + AG of weights
-            exposed = comm
-            if lay.overlap:
-                exposed = max(comm - backward_window, comm * self.eff.dp_overlap_tail)
+            elif lay.distributed_optimizer:  # the new weights are all-gathered
+                comm += self._data_parallel_collective(CollectiveKind.ALL_GATHER, dense * self.bytes, group)
+            exposed = exposed_seconds(comm, backward_window, self.eff.dp_overlap_tail) if lay.overlap else comm
             shard = group if lay.distributed_optimizer or lay.fsdp else 1
             state = (dense / shard + expert / (max(1, group // lay.ep) if lay.distributed_optimizer else 1))
-            optimizer = self._hbm(state * 30)  # read fp32 master, moments and gradient; write them and the weights
+            optimizer = self._hbm(state * optimizer_step_bytes(self.bytes, grad_bytes))
             worst_sync, worst_opt = max(worst_sync, exposed), max(worst_opt, optimizer)
         return worst_sync, worst_opt
 
-    def _hierarchical(self, nbytes: float, group: int) -> float:
+    def _data_parallel_collective(self, kind: CollectiveKind, nbytes: float, group: int) -> float:
+        """A collective over the `group` data-parallel (and context-parallel) ranks of a stage,
+        `tp` apart: node-aware, hierarchical when they span nodes (meshplan.cost.links)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        key = (nbytes, group)
+        key = (kind, nbytes, group)
         if key not in self._reductions:  # stages of equal size reduce equal bytes
-            self._reductions[key] = self._hierarchical_time(nbytes, group)
+            self._reductions[key] = self._collective(kind, nbytes, group, self.layout.tp)
         return self._reductions[key]
-
-    def _hierarchical_time(self, nbytes: float, group: int) -> float:
-        per_node = self.cluster.devices_per_node
-        stride = self.layout.tp
-        local = max(1, min(group, per_node // stride)) if stride < per_node else 1
-        nodes = math.ceil(group / local)
-        inside = self._ring("rs", nbytes, stride, local) + self._ring("ag", nbytes, stride, local) if local > 1 else 0.0
-        across = 0.0
-        if nodes > 1:
-            d = self.device
-            bandwidth = d.inter_bandwidth * self.eff.link
-            across = 2 * (nodes - 1) * d.inter_latency + 2 * (nodes - 1) / nodes * (nbytes / local) / bandwidth
-        return inside + across
 
     # -- memory ----------------------------------------------------------------------------
 

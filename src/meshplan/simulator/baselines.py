@@ -101,10 +101,14 @@ def uniform_pipeline(job: TrainingJob, cluster: Cluster, view: ViewCosts, pp: in
     layers, num_microbatches = job.model.layers, job.global_batch // b
     costs = LayerCosts((view,), handoff_bytes(job, b))
     bounds = [round(j * layers / pp) for j in range(pp + 1)]
+    per_node = cluster.devices_per_node
     stages = []
     for j in range(pp):
         last = bounds[j + 1] - 1
-        transfer = handoff_time(costs, view, last, cluster)
+        # Stages take consecutive devices: a partial-node stage hands off inside its node unless
+        # the next stage starts a new one.
+        in_node = view.devices < per_node and ((j + 1) * view.devices) % per_node != 0
+        transfer = handoff_time(costs, view, last, cluster, in_node, options.kernels.link)
         estimate = estimate_stage(view, bounds[j], last, pp - j, num_microbatches, capacity(cluster, options),
                                   transfer, _ONE_F_ONE_B, recompute)
         if estimate is None:

@@ -103,7 +103,8 @@ def layer_costs(job: TrainingJob, b: int, priced: Priced, kind: str = "view") ->
 
 def inter_options(cluster: Cluster, options: PlannerOptions) -> InterOptions:
     return InterOptions(capacity_bytes=capacity(cluster, options), relative_bucket=options.relative_bucket,
-                        chunks=options.chunks, node_local_sends=options.node_local_sends)
+                        chunks=options.chunks, node_local_sends=options.node_local_sends,
+                        link_efficiency=options.kernels.link)
 
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,

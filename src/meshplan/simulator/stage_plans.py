@@ -19,7 +19,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.models.training import PieceGraph
 from meshplan.plan import Plan, Stage, StagePiece
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.pricing import LEAN_PRICES, batch_axis, gemm_curve_peak, menu_plans, piece_graphs
+from meshplan.simulator.pricing import LEAN_PRICES, batch_axis, menu_plans, piece_graphs, piece_pricing
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options
         if key not in solved:
             entries = menu_plans(graph, mesh, cluster.device.peak_flops * options.efficiency, plan.num_microbatches,
                                  LEAN_PRICES, batch_axis(mesh), options.reduce_scatter,
-                                 gemm_curve_peak(cluster, options))
+                                 piece_pricing(job, cluster, options))
             intra = entries[min(menu, len(entries) - 1)][1]
             solved[key] = (intra, piece_times(graph, intra))
         intra, times = solved[key]

@@ -6,6 +6,7 @@ import math
 from collections.abc import Hashable, Iterator
 
 from meshplan.cost.collectives import CollectiveKind
+from meshplan.cost.fusion import ATTENTION_KERNELS, BACKWARD, training_pass
 from meshplan.ir.node import Node, OpKind
 from meshplan.sharding.context import RuleContext
 from meshplan.sharding.rules.assign import assign_axes
@@ -110,9 +111,7 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
                                for i in range(len(dims.lc)))
     flops = 2.0 * math.prod(out.shard_shape(node.shape, ctx.mesh)) * local_contract
     local = {slot: math.ceil(dims.size(slot) / ctx.mesh.axis_size(assignment.get(slot, ()))) for slot in dims.slots()}
-    m = math.prod(v for (group, _), v in local.items() if group in ("b", "l"))
-    n = math.prod(v for (group, _), v in local.items() if group == "r")
-    compute = ctx.model.contraction_cost(flops, m, n, local_contract)
+    compute = _compute(node, dims, local, flops, local_contract, ctx)
     partial = ctx.local_bytes(node, out)  # each device's partial result before any reduction
     yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, compute, partial, ctx)
     if not (contracted and scatter and ctx.config.reduce_scatter
@@ -125,10 +124,24 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
                             ctx)
 
 
+def _compute(node: Node, dims: DotDims, local: dict, flops: float, contract: float, ctx: RuleContext) -> float:
+    """Seconds of the local products: a GEMM per batch entry on the efficiency curve (without
+    kernel models, batch dims fold into m), or part of a fused attention kernel."""
+    kernels, fusion = ctx.model.kernels, ctx.fusion
+    if kernels is not None and fusion is not None and fusion.is_fused_attention(node.id):
+        return kernels.attention(flops, ATTENTION_KERNELS[node.attr("kernel")], training_pass(node) == BACKWARD)
+    batch = math.prod(v for (group, _), v in local.items() if group == "b")
+    m = math.prod(v for (group, _), v in local.items() if group == "l")
+    n = math.prod(v for (group, _), v in local.items() if group == "r")
+    if kernels is None:
+        return ctx.model.contraction_cost(flops, batch * m, n, contract)
+    return ctx.model.contraction_cost(flops, m, n, contract, batch)
+
+
 def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec], contracted: tuple[int, ...],
               reduction: CollectiveKind, compute: float, partial: float, ctx: RuleContext) -> Strategy:
     collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
-    memory = ctx.local_bytes(node, out)
+    memory = ctx.held_bytes(node, out)
     name = f"{out} = {operands[0]} x {operands[1]}"
     if contracted:
         kind = "allreduce" if reduction is CollectiveKind.ALL_REDUCE else "reducescatter"

@@ -30,14 +30,20 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
     strategies = []
     for lead in leader.strategies:
         out, required, collectives = transform(lead.output)
+        held = ctx.held_bytes(node, out) if materialized else 0.0
         strategies.append(Strategy(
             f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
-            compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())) * ctx.compute_weight(node),
+            compute=_compute(node, ctx, out, required) * ctx.compute_weight(node),
             communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
-            memory=ctx.local_bytes(node, out) if materialized else 0.0, collectives=collectives,
-            penalty=ctx.model.activation_price * ctx.local_bytes(node, out) if materialized else 0.0,
+            memory=held, collectives=collectives, penalty=ctx.model.activation_price * held,
         ))
     return NodeStrategies(node.id, tuple(strategies), follows=position)
+
+
+def _compute(node: Node, ctx: RuleContext, out: ShardingSpec, operands: tuple[ShardingSpec, ...]) -> float:
+    """A memory-bound kernel by its bytes (with kernel models), else its FLOPs at the flat rate."""
+    seconds = ctx.memory_bound_cost(node, out, operands)
+    return ctx.model.compute_cost(ctx.local_flops(node, out.axes())) if seconds is None else seconds
 
 
 def deepest_operand(node: Node, ctx: RuleContext) -> int:
@@ -60,8 +66,9 @@ def _relayout_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     specs = full_specs(node, ctx) + [ShardingSpec.replicated(node.rank)]
     weight = ctx.communication_weight(node)
     return NodeStrategies(node.id, tuple(
-        Strategy(f"relayout {spec}", spec, (spec,), memory=ctx.local_bytes(node, spec),
-                 penalty=ctx.model.activation_price * ctx.local_bytes(node, spec) * weight) for spec in specs))
+        Strategy(f"relayout {spec}", spec, (spec,), compute=_compute(node, ctx, spec, (spec,)) * weight,
+                 memory=ctx.held_bytes(node, spec),
+                 penalty=ctx.model.activation_price * ctx.held_bytes(node, spec) * weight) for spec in specs))
 
 
 @register_rule(OpKind.ELEMENTWISE)

@@ -66,5 +66,5 @@ def replicated_leaf(node: Node, ctx: RuleContext) -> NodeStrategies:
     """Constants are made on every device; any split of them is free slicing later. An iota is
     generated inside the kernels that read it (compilers fuse it), so it holds no memory."""
     spec = ShardingSpec.replicated(node.rank)
-    memory = 0.0 if node.kind is OpKind.IOTA else ctx.local_bytes(node, spec)
+    memory = 0.0 if node.kind is OpKind.IOTA else ctx.held_bytes(node, spec)
     return NodeStrategies(node.id, (Strategy("R", spec, (), memory=memory),))
