@@ -72,7 +72,7 @@ def test_optimizer_region_moves_the_closed_form_bytes():
         if training_pass(node) != UPDATE:
             continue
         moved += nbytes(node.id) if node.id in fusion.materialized and node.kind.value != "parameter" else 0.0
-        moved += sum(nbytes(node.operands[p]) for p in fusion.reads[node.id])
+        moved += sum(share * nbytes(node.operands[p]) for p, share in fusion.reads[node.id])
     params = sum(graph[w].size for w in piece.weights)
     assert moved / params == pytest.approx(optimizer_step_bytes(2, 4), rel=1e-9)
 

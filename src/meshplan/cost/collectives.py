@@ -70,6 +70,8 @@ class CollectiveCosts:
             collective as one NCCL communicator over its ranks with the node-aware link model
             (meshplan.cost.links) at this fraction of the nominal bandwidths; None keeps the
             per-axis alpha-beta terms.
+        hidden: (axes, share) pairs: that share of every collective over exactly those axes runs
+            under compute (tensor-parallel communication overlapped with GEMMs, `tpo=on`).
     """
 
     truncate: bool = False
@@ -77,6 +79,7 @@ class CollectiveCosts:
     alpa_all_to_all: bool = False
     forced: tuple[tuple[CollectiveKind, float], ...] = ()
     link_efficiency: float | None = None
+    hidden: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     def cost(self, kind: CollectiveKind, mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
         """Cost of one collective of `kind` over mesh `axes` with `nbytes` per device.
@@ -93,7 +96,9 @@ class CollectiveCosts:
             return 0.0
         if self.link_efficiency is not None and mesh.topology is not None:
             links = Links.of(mesh.topology, self.link_efficiency)
-            return collective_seconds(kind, nbytes, Group(*mesh.group_locality(axes)), links)
+            seconds = collective_seconds(kind, nbytes, Group(*mesh.group_locality(axes)), links)
+            share = next((h for over, h in self.hidden if over == axes), 0.0)
+            return seconds * (1 - share)
         total = min(self._ordered_cost(kind, mesh, order, nbytes) for order in itertools.permutations(axes))
         if self.tie_constants:
             total += TIE_CONSTANT[kind]

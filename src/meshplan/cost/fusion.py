@@ -12,9 +12,13 @@ loop and input fusion):
   are written to device memory;
 - element-wise and layout ops fuse with their neighbours: a value is written only when a
   kernel of its own reads it (a GEMM's input), when it is a result, an update, an accumulated
-  gradient or a `stored` residual-stream value;
-- a fused region (element-wise ops joined through values that are not written) reads each
-  written value it needs once;
+  gradient, a `stored` value (a kernel boundary the model marks: the residual stream, the
+  unfused softmax's output) or a `saved` one (written for the backward pass while its kernel
+  goes on using it: a dropout mask); a slice, reshape or transpose of a value in
+  memory is a view of it, read in place (q, k and v of a fused QKV projection);
+- a fused region (element-wise ops joined through values that are not written, further
+  outputs of the same kernel, and row reductions with the ops that use them) reads each value
+  in memory it needs once;
 - a backward kernel that needs a forward value that was never written recomputes it from the
   written values it came from (the frontier), which the forward pass therefore keeps; a fused
   softmax keeps its output instead (its backward needs only the probabilities);
@@ -32,9 +36,15 @@ from meshplan.ir.node import Node, OpKind
 
 FUSIBLE = frozenset({OpKind.ELEMENTWISE, OpKind.BROADCAST, OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.SLICE,
                      OpKind.CONCATENATE, OpKind.DYNAMIC_SLICE})
-GENERATED = frozenset({OpKind.CONSTANT, OpKind.IOTA})  # computed inside the kernel that reads them
+VIEWS = frozenset({OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.SLICE})
+# Kernels of their own that take their operands straight from the kernel making them (input
+# fusion: a reduction, or a scatter of tokens back into their sequences).
+INPUT_FUSED = frozenset({OpKind.REDUCE, OpKind.SCATTER_ADD})  # read in place when over a value in memory
+# Computed inside the kernel that reads them (random bits: in-kernel Philox, as fused dropout does).
+GENERATED = frozenset({OpKind.CONSTANT, OpKind.IOTA, OpKind.RANDOM})
 # Fused-kernel tags (GraphBuilder.kernel) of attention cores -> whether the kernel is causal.
 ATTENTION_KERNELS = {"attention": False, "causal_attention": True}
+BOUNDARY = "stage_boundary"  # the product with the arriving gradient that ends a stage's graph
 
 FORWARD, BACKWARD, UPDATE = 0, 1, 2
 
@@ -56,18 +66,23 @@ class Fusion:
     """How a graph runs as fused kernels.
 
     Attributes:
-        materialized: ids of values written to device memory (the others live in registers).
-        reads: per node, the operand positions it reads from device memory (each fused region
-            reads a value once: the first node of the region that needs it).
+        materialized: ids of values written to device memory (the others live in registers, or
+            are views of written values).
+        reads: per node, (operand position, share of the operand's bytes) it reads from device
+            memory (each fused region reads a value once: the first node of the region that needs
+            it; a recomputed forward value is read as the values it comes from).
         attention: ids of the nodes of fused attention kernels (empty without flash).
+        free: ids of nodes that run no kernel (a stage's boundary: the product with the arriving
+            gradient that stands for the rest of the model).
         kept: forward values the backward pass reads from device memory (saved activations).
         kept_by_attention: the part of `kept` only the attention kernels read (dropped when the
             attention is recomputed: selective recomputation).
     """
 
     materialized: frozenset[int]
-    reads: tuple[tuple[int, ...], ...]
+    reads: tuple[tuple[tuple[int, float], ...], ...]
     attention: frozenset[int]
+    free: frozenset[int]
     kept: frozenset[int]
     kept_by_attention: frozenset[int]
 
@@ -79,31 +94,40 @@ def fuse(graph: Graph, flash: bool) -> Fusion:
     """The fused-kernel view of `graph`; `flash`: attention kernels are fused (flash attention)."""
     passes = [training_pass(n) for n in graph.nodes]
     attention = frozenset(n.id for n in graph.nodes if flash and is_attention(n))
-    materialized = _materialized(graph, passes, attention)
-    reads = _reads(graph, passes, materialized, attention)
-    kept, by_attention = _kept(graph, passes, materialized, attention)
-    return Fusion(frozenset(materialized), reads, attention, frozenset(kept), frozenset(by_attention))
+    written, views = _written(graph, passes, attention)
+    memory = written | views
+    region = _regions(graph, passes, written, memory, attention)
+    reads = _reads(graph, passes, memory, views, attention, region)
+    kept, by_attention = _kept(graph, passes, memory, attention)
+    free = frozenset(n.id for n in graph.nodes if n.attr("kernel") == BOUNDARY)
+    return Fusion(frozenset(written), reads, attention, free, frozenset(kept), frozenset(by_attention))
 
 
-def _materialized(graph: Graph, passes: list[int], attention: frozenset[int]) -> set[int]:
+def _written(graph: Graph, passes: list[int], attention: frozenset[int]) -> tuple[set[int], set[int]]:
+    """(values written to memory, views: layout ops over values in memory, which read them in place)."""
     outputs = set(graph.outputs) | {u for _, u in graph.aliases}
-    written = set()
+    written: set[int] = set()
+    views: set[int] = set()
     for node in graph.nodes:
         if node.kind in GENERATED:
             continue
         if node.id in attention:
             if _leaves_attention(graph, node, attention, passes):
                 written.add(node.id)
+        elif (node.kind in VIEWS and node.id not in outputs and node.operands[0] in written | views
+              and passes[node.operands[0]] == passes[node.id]):
+            views.add(node.id)
         elif node.kind not in FUSIBLE or (node.id in outputs or node.attr("accumulated") or node.attr("stored")
+              or node.attr("saved")
               or any(_reads_as_kernel(graph[u], attention) or passes[u] > max(passes[node.id], BACKWARD)
                      for u in graph.users(node.id))):
             written.add(node.id)
-    return written
+    return written, views
 
 
 def _reads_as_kernel(user: Node, attention: frozenset[int]) -> bool:
     """A kernel that reads its operands from memory: not a fused element-wise op or reduction."""
-    return user.id in attention or user.kind not in FUSIBLE | GENERATED | {OpKind.REDUCE}
+    return user.id in attention or user.kind not in FUSIBLE | GENERATED | INPUT_FUSED
 
 
 def _leaves_attention(graph: Graph, node: Node, attention: frozenset[int], passes: list[int]) -> bool:
@@ -112,33 +136,45 @@ def _leaves_attention(graph: Graph, node: Node, attention: frozenset[int], passe
     users = graph.users(node.id)
     if any(u not in attention for u in users) or node.id in graph.outputs:
         return True
-    return node.kind is OpKind.REDUCE and passes[node.id] == FORWARD and any(passes[u] == BACKWARD for u in users)
+    if node.kind is not OpKind.REDUCE or passes[node.id] != FORWARD:
+        return False
+    spread = [w for u in users if graph[u].kind is OpKind.BROADCAST for w in graph.users(u)]
+    return any(passes[u] == BACKWARD for u in (*users, *spread))
 
 
-def _reads(graph: Graph, passes: list[int], written: set[int],
-           attention: frozenset[int]) -> tuple[tuple[int, ...], ...]:
-    """Per node, operand positions read from memory, once per fused region."""
-    region = _regions(graph, passes, written, attention)
-    seen: set[tuple[int, int]] = set()
-    reads: list[tuple[int, ...]] = []
+def _reads(graph: Graph, passes: list[int], memory: set[int], views: set[int], attention: frozenset[int],
+           region: list[int]) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """Per node, (operand position, share of its bytes) read from memory, once per fused region
+    (a view reads nothing: its readers read it in place)."""
+    seen: set[tuple[int, object]] = set()
+    reads: list[tuple[tuple[int, float], ...]] = []
     for node in graph.nodes:
         positions = []
-        if node.id not in attention and (node.kind in FUSIBLE or node.kind is OpKind.REDUCE):
+        if node.id not in attention | views and (node.kind in FUSIBLE or node.kind in INPUT_FUSED):
             for position, operand in enumerate(node.operands):
-                producer = graph[operand]
-                if producer.kind in GENERATED:
+                if graph[operand].kind in GENERATED:
                     continue
-                recomputed = operand not in written and passes[operand] != passes[node.id]
                 in_region = passes[operand] == passes[node.id] and region[operand] == region[node.id]
-                if (operand in written or recomputed) and not in_region and (region[node.id], operand) not in seen:
-                    seen.add((region[node.id], operand))
-                    positions.append(position)
+                if in_region or (operand not in memory and passes[operand] == passes[node.id]):
+                    continue
+                if operand in memory:
+                    source, share = frozenset((operand,)), 1.0
+                else:  # a forward value the backward recomputes: read as the values it comes from,
+                    # once for every value recomputed from them in the region
+                    frontier = frozenset(_kept_for(graph, operand, memory, attention))
+                    source, share = frontier, sum(graph[v].nbytes for v in frontier) / max(graph[operand].nbytes, 1)
+                if share > 0 and (region[node.id], source) not in seen:
+                    seen.add((region[node.id], source))
+                    positions.append((position, share))
         reads.append(tuple(positions))
     return tuple(reads)
 
 
-def _regions(graph: Graph, passes: list[int], written: set[int], attention: frozenset[int]) -> list[int]:
-    """Union-find over fusible nodes joined through values that are not written."""
+def _regions(graph: Graph, passes: list[int], written: set[int], memory: set[int],
+             attention: frozenset[int]) -> list[int]:
+    """Union-find over fusible nodes joined through values that are not in memory, through
+    further outputs of one kernel (multi-output fusion) and through row reductions (a norm or a
+    softmax reduces a row and uses the result in one pass over it)."""
     parent = list(range(len(graph)))
 
     def find(x: int) -> int:
@@ -148,12 +184,17 @@ def _regions(graph: Graph, passes: list[int], written: set[int], attention: froz
         return x
 
     for node in graph.nodes:
-        if node.id in attention or not (node.kind in FUSIBLE or node.kind is OpKind.REDUCE):
+        if node.id in attention or not (node.kind in FUSIBLE or node.kind in INPUT_FUSED):
             continue
         for operand in node.operands:
             producer = graph[operand]
-            if (producer.kind in FUSIBLE and _fuses_on(graph, operand, written) and operand not in attention
-                    and passes[operand] == passes[node.id]):
+            if operand in attention or passes[operand] != passes[node.id]:
+                continue
+            fused = producer.kind in FUSIBLE and operand not in memory - written and _fuses_on(graph, operand, written)
+            # A reduction is also a further output of the kernel making its operand (a bias
+            # gradient summed as the gradient is written).
+            side_output = node.kind in INPUT_FUSED and producer.kind in FUSIBLE and operand not in memory - written
+            if fused or side_output or producer.kind is OpKind.REDUCE:
                 parent[find(operand)] = find(node.id)
     return [find(n) for n in range(len(graph))]
 
@@ -169,7 +210,7 @@ def _fuses_on(graph: Graph, value: int, written: set[int]) -> bool:
     return not node.attr("stored") and not any(_reads_as_kernel(graph[u], frozenset()) for u in graph.users(value))
 
 
-def _kept(graph: Graph, passes: list[int], written: set[int], attention: frozenset[int]) -> tuple[set[int], set[int]]:
+def _kept(graph: Graph, passes: list[int], memory: set[int], attention: frozenset[int]) -> tuple[set[int], set[int]]:
     """Forward values the backward pass reads from memory, and those only attention kernels read."""
     kept: dict[int, set[int]] = {}  # value -> the backward readers it is kept for
     for node in graph.nodes:
@@ -178,44 +219,41 @@ def _kept(graph: Graph, passes: list[int], written: set[int], attention: frozens
         for operand in node.operands:
             if passes[operand] != FORWARD or graph[operand].kind in GENERATED:
                 continue
-            for value in _kept_for(graph, operand, written, attention):
+            for value in _kept_for(graph, operand, memory, attention):
                 kept.setdefault(value, set()).add(node.id)
     marked = {n.id for n in graph.nodes if is_attention(n)}
     only_attention = {v for v, readers in kept.items() if readers <= marked and v in marked}
     return set(kept), only_attention
 
 
-def _kept_for(graph: Graph, value: int, written: set[int], attention: frozenset[int]) -> set[int]:
-    """The written forward values a backward read of `value` needs: the value itself when it is
-    written, a fused softmax's output for a value inside it, else the frontier it is recomputed
-    from."""
-    if value in written:
+def _kept_for(graph: Graph, value: int, memory: set[int], attention: frozenset[int]) -> set[int]:
+    """The forward values in memory a backward read of `value` needs: the value itself when it is
+    in memory, a fused softmax's output for a value inside it, else the frontier it is
+    recomputed from."""
+    if value in memory:
         return {value}
-    node = graph[value]
-    if is_attention(node) and value not in attention:
-        return _softmax_output(graph, value, written)
     found: set[int] = set()
     stack = [value]
     while stack:
         current = graph[stack.pop()]
         for operand in current.operands:
             producer = graph[operand]
-            if producer.kind in GENERATED or passes_differ(producer, current):
+            if producer.kind in GENERATED or training_pass(producer) != training_pass(current):
                 continue
-            if operand in written:
+            if operand in memory:
                 found.add(operand)
             else:
                 stack.append(operand)
+    if any(graph[v].kind is not OpKind.REDUCE for v in found) and is_attention(graph[value]) and value not in attention:
+        return _softmax_output(graph, value, memory)
+    # Empty for a value made of constants alone (recomputed for free); row statistics for one
+    # made of reductions alone.
     return found
 
 
-def passes_differ(a: Node, b: Node) -> bool:
-    return training_pass(a) != training_pass(b)
-
-
-def _softmax_output(graph: Graph, value: int, written: set[int]) -> set[int]:
-    """The written values of the attention kernel `value` belongs to that a later product reads:
-    the probabilities (an unfused attention's softmax keeps only its output)."""
+def _softmax_output(graph: Graph, value: int, memory: set[int]) -> set[int]:
+    """The values in memory of the attention kernel `value` belongs to that a later product
+    reads: the probabilities (an unfused attention's softmax keeps only its output)."""
     found: set[int] = set()
     stack, seen = [value], {value}
     while stack:
@@ -225,8 +263,8 @@ def _softmax_output(graph: Graph, value: int, written: set[int]) -> set[int]:
             if user in seen or training_pass(node) != training_pass(graph[value]) or not is_attention(node):
                 continue
             seen.add(user)
-            if user in written and node.kind is not OpKind.REDUCE:
+            if user in memory and node.kind is not OpKind.REDUCE:
                 found.add(user)
-            elif user not in written:
+            elif user not in memory:
                 stack.append(user)
     return found

@@ -11,8 +11,10 @@ stages; it never sees a model or a program.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
+from meshplan.cost.fusion import BOUNDARY
 from meshplan.intra.plan import IntraPlan
 from meshplan.ir import Graph, OpKind
 from meshplan.ir.counting import node_flops
@@ -157,13 +159,11 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
     as once-per-iteration sync; nodes tagged `per_iteration` (the optimizer step) were priced
     1/B per micro-batch by the plan and count once per iteration.
     """
-    reshard = [0.0] * len(graph)
-    for r in plan.reshardings:
-        reshard[r.consumer_id] += sum(c.cost for c in r.collectives)
+    reshard = resharding_seconds(graph, plan, parts.forward_end)
     forward = backward = sync = update = 0.0
     for chosen in plan.nodes:
         node = graph[chosen.node]
-        own = sum(c.cost for c in chosen.collectives)
+        own = 0.0 if node.attr("kernel") == BOUNDARY else sum(c.cost for c in chosen.collectives)
         if node.attr("accumulated"):
             sync += own
             own = 0.0
@@ -188,15 +188,41 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
                      attention_forward_time=attention_time, attention_activation_bytes=attention_bytes)
 
 
+def resharding_seconds(graph: Graph, plan: IntraPlan, forward_end: int | None = None) -> list[float]:
+    """Seconds of resharding charged to each consumer node, as the step runs it: a value moved to
+    one layout is moved once however many consumers need it there, and (given where the forward
+    pass ends) a forward value re-laid out for the backward pass (a saved activation gathered
+    again, as Megatron's sequence parallelism does for weight gradients) is fetched ahead, under
+    the backward pass's compute."""
+    seconds = [0.0] * len(graph)
+    seen: set[tuple] = set()
+    for r in plan.reshardings:
+        consumer = graph[r.consumer_id]
+        producer = next((o for o in consumer.operands if graph[o].label == r.producer), r.consumer_id)
+        key = (producer, r.src.dims, r.dst.dims)
+        if key in seen:
+            continue
+        seen.add(key)
+        if forward_end is not None and producer <= forward_end < r.consumer_id:
+            continue
+        seconds[r.consumer_id] += sum(c.cost for c in r.collectives)
+    return seconds
+
+
 def _node_time(plan: IntraPlan, reshard: list[float], node: int) -> float:
     chosen = plan.nodes[node]
     return chosen.compute + sum(c.cost for c in chosen.collectives) + reshard[node]
 
 
 def _saved_bytes(graph: Graph, plan: IntraPlan, parts: TrainingParts, values) -> float:
-    """Bytes per device of the saved `values` (fp8 copies at one byte per element)."""
+    """Bytes per device of the saved `values`, each its local shard (a view kept for the
+    backward pass holds its own part; fp8 copies at one byte per element)."""
     fp8 = set(parts.fp8_saved)
-    return sum(plan.nodes[v].memory / (graph[v].dtype.itemsize if v in fp8 else 1) for v in values)
+    total = 0.0
+    for v in values:
+        elements = math.prod(plan.nodes[v].output.shard_shape(graph[v].shape, plan.mesh))
+        total += elements * (1 if v in fp8 else graph[v].dtype.itemsize)
+    return total
 
 
 def _saved_activations(graph: Graph, parts: TrainingParts) -> list[int]:

@@ -8,6 +8,7 @@ from meshplan.cost.collectives import CollectiveKind
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
 from meshplan.sharding.context import RuleConfig
+from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import StrategySpace
 
 SOLVERS = ("highs", "cbc")
@@ -29,6 +30,8 @@ class IntraOptions:
         mip_gap: relative gap at which the solver may stop.
         contractions_use_all_axes: see RuleConfig; None decides by whether compute is priced.
         reduce_scatter: see RuleConfig.
+        gather_choices: see RuleConfig.
+        fixed_specs: see RuleConfig.fixed.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -42,6 +45,8 @@ class IntraOptions:
     mip_gap: float = 0.0
     contractions_use_all_axes: bool | None = None
     reduce_scatter: bool = False
+    gather_choices: bool = False
+    fixed_specs: tuple[tuple[int, ShardingSpec], ...] = ()
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -54,7 +59,7 @@ class IntraOptions:
     @property
     def rules(self) -> RuleConfig:
         return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
-                          self.contractions_use_all_axes, self.reduce_scatter)
+                          self.contractions_use_all_axes, self.reduce_scatter, self.gather_choices, self.fixed_specs)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

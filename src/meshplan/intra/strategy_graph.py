@@ -16,6 +16,7 @@ from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import Collective
 from meshplan.cost.model import CostModel
 from meshplan.ir.graph import Graph
+from meshplan.ir.node import OpKind
 from meshplan.sharding.resharding import resharding_collectives
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import NodeStrategies
@@ -78,10 +79,16 @@ class StrategyGraph:
         if src is dst or src.dims == dst.dims:
             return ()
         node = self.graph[producer]
-        key = (node.shape, node.dtype, src.dims, dst.dims)
+        shape = node.shape
+        if self.model.kernels is not None and node.kind is OpKind.BROADCAST:
+            # Under kernel fusion a broadcast is never written: its (smaller) source moves and the
+            # consumer's kernel broadcasts it again.
+            kept = set(node.attr("dims"))
+            shape = tuple(size if d in kept else 1 for d, size in enumerate(node.shape))
+        key = (shape, node.dtype, src.dims, dst.dims)
         if key not in self._reshard_cache:
-            self._reshard_cache[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst,
-                                                              self.mesh, self.model)
+            self._reshard_cache[key] = resharding_collectives(shape, node.dtype.itemsize, src, dst, self.mesh,
+                                                              self.model)
         return self._reshard_cache[key]
 
     def once_per_iteration(self, node_id: int) -> float:

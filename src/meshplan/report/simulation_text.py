@@ -38,6 +38,8 @@ def print_layout(plan: Plan, console: Console | None = None) -> None:
     for line in header_lines(plan):
         console.print(line, highlight=False)
     console.print(f"layout          {plan.option('layout')}", highlight=False)
+    if p.cost_model:
+        console.print(f"priced by       {p.cost_model}", highlight=False)
     console.print(f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)}", highlight=False)
     console.print(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
                   f"MFU {p.mfu:.1%}", highlight=False)

@@ -33,6 +33,14 @@ class RuleConfig:
             contraction along an axis.
         reduce_scatter: contractions over split dims may also reduce-scatter their partial
             sums onto a whole output dim instead of all-reducing them (FULL space only).
+        gather_choices: embedding lookups, their gradients and token scatters are choices of
+            their own, as Megatron runs them: a table may be split along the looked-up dim
+            (vocabulary-parallel embedding, partial results summed), a token scatter (an MoE's
+            combine) may take its updates moved onto its batch dims (an all-to-all); and
+            element-wise ops follow an operand that is not a broadcast row statistic (so a split
+            vocabulary stays split through the cross-entropy).
+        fixed: node id -> the output spec it must take (a given layout as fixed per-op
+            strategies); nodes not listed choose freely.
     """
 
     space: StrategySpace = StrategySpace.FULL
@@ -40,6 +48,8 @@ class RuleConfig:
     force_batch_dim_to_mesh_dim: int | None = None
     contractions_use_all_axes: bool | None = None
     reduce_scatter: bool = False
+    gather_choices: bool = False
+    fixed: tuple[tuple[int, ShardingSpec], ...] = ()
 
 
 @dataclass(slots=True)
@@ -53,6 +63,8 @@ class RuleContext:
     constant_like: frozenset[int] = frozenset()  # values computed from constants alone
     # How the graph runs as fused kernels (with the cost model's kernel models, else None).
     fusion: Fusion | None = None
+    # RuleConfig.fixed as a mapping: node id -> the output spec a given layout gives it.
+    fixed: dict[int, ShardingSpec] = field(default_factory=dict)
     # Optimizer state and the update ops that follow it (filled as rules run).
     state_derived: set[int] = field(default_factory=set)
     done: dict[int, NodeStrategies] = field(default_factory=dict)
@@ -95,12 +107,13 @@ class RuleContext:
         kernel models (price it by FLOPs)."""
         if self.fusion is None or self.model.kernels is None:
             return None
-        if self.fusion.is_fused_attention(node.id):
-            return 0.0  # inside a fused attention kernel, priced with its products
+        if self.fusion.is_fused_attention(node.id) or node.id in self.fusion.free:
+            return 0.0  # inside a fused attention kernel (priced with its products), or no kernel
         written = self.local_bytes(node, out) if node.id in self.fusion.materialized else 0.0
         if node.kind is OpKind.GATHER:  # reads the picked rows: as many bytes as it writes
             return self.model.kernels.memory(2 * written)
-        read = sum(self.local_bytes(self.graph[node.operands[p]], operands[p]) for p in self.fusion.reads[node.id])
+        read = sum(share * self.local_bytes(self.graph[node.operands[p]], operands[p])
+                   for p, share in self.fusion.reads[node.id])
         return self.model.kernels.memory(written + read)
 
     def local_flops(self, node: Node, spec_axes: Sequence[int]) -> float:
@@ -110,6 +123,8 @@ class RuleContext:
     def communication_weight(self, node: Node) -> float:
         """Gradient synchronisation (nodes marked `accumulated`) and the optimizer update (marked
         `per_iteration`) run once per iteration, not once per micro-batch."""
+        if self.fusion is not None and node.id in self.fusion.free:
+            return 0.0  # the stage's boundary stands for the rest of the model: nothing runs
         once = node.attr("accumulated") or node.attr("per_iteration")
         return self.model.accumulation_weight if once else 1.0
 

@@ -50,7 +50,12 @@ _PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
 
 Progress = Callable[[str, int, int], None]
 # Part of every task's cache key: raise it when pricing changes what a task returns.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+# The op-level cost model's name and version (Prediction.cost_model): per-op strategies priced on
+# the operator graph with the kernel and link models of meshplan.cost; FLAT: every op at one
+# efficiency (`gemm_curve` off).
+GRAPH = "graph/1"
+FLAT = "flat/1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +230,11 @@ def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
     """Activations one micro-batch sends across each block boundary."""
     per_boundary = microbatch_size * job.seq_len * job.model.hidden * job.dtype.itemsize
     return (float(per_boundary),) * (job.model.layers - 1)
+
+
+def cost_model_name(options: PlannerOptions) -> str:
+    """The name and version of the cost model the planner prices with."""
+    return GRAPH if options.gemm_curve else FLAT
 
 
 def piece_pricing(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> PiecePricing:

@@ -100,7 +100,7 @@ def layout_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, lab
     seconds = found.iteration_time
     tflops = found.model_flops / seconds / cluster.num_devices / 1e12
     prediction = Prediction(seconds, found.pipeline_time, found.sync_time, job.tokens / seconds, tflops, found.mfu,
-                            found.memory.total)
+                            found.memory.total, found.cost_model)
     low, high = found.time_range
     metrics = (("time_range.low_s", low), ("time_range.high_s", high),
                *((f"memory.{name}", value) for name, value in found.memory.items()),

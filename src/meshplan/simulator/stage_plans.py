@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.fusion import BOUNDARY
+from meshplan.inter.costs import resharding_seconds
 from meshplan.inter.schedules import RUNNABLE_SCHEDULES, replayed_latency
 from meshplan.intra.plan import IntraPlan
 from meshplan.models.training import PieceGraph
@@ -35,14 +37,14 @@ class PieceTimes:
 def piece_times(piece: PieceGraph, plan: IntraPlan) -> PieceTimes:
     """Per micro-batch seconds of the plan (gradient sync and the optimizer step, once per
     iteration, are left out as `layer_cost` leaves them out of a layer's time)."""
-    reshard = [0.0] * len(plan.nodes)
-    for r in plan.reshardings:
-        reshard[r.consumer_id] += sum(c.cost for c in r.collectives)
+    reshard = resharding_seconds(piece.graph, plan, piece.forward_end)
     times = [0.0, 0.0, 0.0, 0.0]
     for chosen in plan.nodes:
         if chosen.node > piece.backward_end:
             continue  # the optimizer step
-        own = 0.0 if "accumulated" in chosen.tags else sum(c.cost for c in chosen.collectives)
+        node = piece.graph[chosen.node]
+        silent = node.attr("accumulated") or node.attr("kernel") == BOUNDARY
+        own = 0.0 if silent else sum(c.cost for c in chosen.collectives)
         backward = 2 if chosen.node > piece.forward_end else 0
         times[backward] += chosen.compute
         times[backward + 1] += own + reshard[chosen.node]

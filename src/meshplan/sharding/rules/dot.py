@@ -103,8 +103,8 @@ def _alpa_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
 
 def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, scatter: bool) -> Iterator[Strategy]:
     """The assignment's strategy, whose partial sums (if any) are all-reduced, and with
-    `ctx.config.reduce_scatter` (and `scatter`) one more per whole output dim the partial sums
-    can instead be reduce-scattered over (ZeRO-2's gradients, Megatron's sequence parallelism)."""
+    `ctx.config.reduce_scatter` (and `scatter`) one more per output dim the partial sums can
+    instead be reduce-scattered onto (ZeRO-2's gradients, Megatron's sequence parallelism)."""
     out, lhs, rhs = dims.specs(assignment)
     contracted = tuple(a for (group, _), axes in assignment.items() if group == "c" for a in axes)
     local_contract = math.prod(math.ceil(dims.size(("c", i)) / ctx.mesh.axis_size(assignment.get(("c", i), ())))
@@ -118,8 +118,11 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
             and any(ctx.mesh.shape[a] > 1 for a in contracted)):
         return
     for d, axes in enumerate(out.dims):
-        if not axes and ctx.fits(node.shape[d], contracted):
-            scattered = ShardingSpec(tuple(contracted if i == d else a for i, a in enumerate(out.dims)))
+        # Onto a whole dim, or (Megatron's sequence parallelism beside context parallelism) onto
+        # a dim already split, further within each shard.
+        if ctx.fits(node.shape[d], tuple(axes) + contracted):
+            onto = tuple(sorted(tuple(axes) + contracted))
+            scattered = ShardingSpec(tuple(onto if i == d else a for i, a in enumerate(out.dims)))
             yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, compute, partial,
                             ctx)
 
@@ -142,6 +145,10 @@ def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, Shard
               reduction: CollectiveKind, compute: float, partial: float, ctx: RuleContext) -> Strategy:
     collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
     memory = ctx.held_bytes(node, out)
+    if reduction is CollectiveKind.REDUCE_SCATTER and node.attr("accumulated"):
+        # Summed over micro-batches before the once-per-iteration reduction: the whole partial
+        # result is accumulated (Megatron's gradient buffer with the distributed optimizer).
+        memory = max(memory, partial)
     name = f"{out} = {operands[0]} x {operands[1]}"
     if contracted:
         kind = "allreduce" if reduction is CollectiveKind.ALL_REDUCE else "reducescatter"
