@@ -27,6 +27,9 @@ from meshplan.errors import OptionsError
 FLASH_BACKWARD_RECOMPUTE = 1.25
 # Mixed-precision Adam keeps an fp32 master copy and two fp32 moments per parameter.
 ADAM_STATE_BYTES = 12
+# Device memory a training step holds beyond its tensors: cuBLAS workspaces, NCCL buffers,
+# allocator slack.
+WORKSPACE_BYTES = 1.0 * 2**30
 
 
 @dataclass(frozen=True, slots=True)

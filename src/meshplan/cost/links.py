@@ -133,6 +133,17 @@ def _all_to_all(nbytes: float, group: Group, links: Links) -> float:
     return (n - 1) * links.inter_latency + max(inside, across)
 
 
+def bucketed_seconds(collectives, links: Links) -> float:
+    """Collectives given as (kind value, ranks, ranks sharing a node, bytes) run in buckets: one
+    collective per kind and group with all their bytes (as Megatron-LM and PyTorch DDP bucket
+    gradient reductions), each paying its latency once."""
+    buckets: dict[tuple[str, int, int], float] = {}
+    for kind, size, local, nbytes in collectives:
+        buckets[(kind, size, local)] = buckets.get((kind, size, local), 0.0) + nbytes
+    return sum(collective_seconds(CollectiveKind(kind), nbytes, Group(size, local), links)
+               for (kind, size, local), nbytes in buckets.items())
+
+
 def send_seconds(nbytes: float, crosses_node: bool, links: Links) -> float:
     """One point-to-point send of `nbytes` (a pipeline hand-off), on the link it crosses."""
     bandwidth, latency = links.point_to_point(crosses_node)

@@ -42,6 +42,8 @@ class LayerCost:
             selective recomputation).
         attention_activation_bytes: the activations only the attention cores keep (scores,
             probabilities; what selective recomputation drops).
+        iteration_collectives: (kind, ranks, ranks sharing a node, bytes) of the collectives in
+            `sync_time`, so a stage can run them in buckets (inter.stages.IterationComm).
     """
 
     time: float
@@ -56,6 +58,7 @@ class LayerCost:
     peak_activation_bytes: float = -1.0
     attention_forward_time: float = 0.0
     attention_activation_bytes: float = 0.0
+    iteration_collectives: tuple[tuple[str, int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.peak_activation_bytes < 0:
@@ -64,7 +67,7 @@ class LayerCost:
     def stacked(self, other: LayerCost) -> LayerCost:
         """Two pieces run one after the other as one layer: times and held bytes add up; the
         working memory and the recomputed activations are those of the larger piece."""
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}  # tuples join
         summed["transient_bytes"] = max(self.transient_bytes, other.transient_bytes)
         summed["peak_activation_bytes"] = max(self.peak_activation_bytes, other.peak_activation_bytes)
         return LayerCost(**summed)
@@ -157,24 +160,25 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
 
     Nodes tagged `accumulated` (gradients summed over micro-batches) count their own collectives
     as once-per-iteration sync; nodes tagged `per_iteration` (the optimizer step) were priced
-    1/B per micro-batch by the plan and count once per iteration.
+    1/B per micro-batch by the plan and count once per iteration: their kernels as the update,
+    their collectives and resharding (the gather of new weights) as sync.
     """
     reshard = resharding_seconds(graph, plan, parts.forward_end)
     forward = backward = sync = update = 0.0
     for chosen in plan.nodes:
         node = graph[chosen.node]
         own = 0.0 if node.attr("kernel") == BOUNDARY else sum(c.cost for c in chosen.collectives)
-        if node.attr("accumulated"):
-            sync += own
+        if node.attr("accumulated") or chosen.node > parts.backward_end:
+            sync += own + (reshard[chosen.node] if chosen.node > parts.backward_end else 0.0)
             own = 0.0
-        compute = chosen.compute * (num_microbatches if node.attr("per_iteration") else 1)
-        cost = compute + own + reshard[chosen.node]
+        if chosen.node > parts.backward_end:
+            update += chosen.compute * num_microbatches
+            continue
+        cost = chosen.compute + own + reshard[chosen.node]
         if chosen.node <= parts.forward_end:
             forward += cost
-        elif chosen.node <= parts.backward_end:
-            backward += cost
         else:
-            update += cost
+            backward += cost
     inputs = set(parts.inputs)
     static = sum(plan.nodes[n.id].memory for n in graph.parameters() if n.id not in inputs)
     static += sum(plan.nodes[v].memory for v in parts.held)
@@ -185,7 +189,18 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
     attention_bytes = _saved_bytes(graph, plan, parts, parts.attention_saved)
     attention_time = sum(_node_time(plan, reshard, v) for v in parts.attention)
     return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops,
-                     attention_forward_time=attention_time, attention_activation_bytes=attention_bytes)
+                     attention_forward_time=attention_time, attention_activation_bytes=attention_bytes,
+                     iteration_collectives=iteration_collectives(graph, plan, parts))
+
+
+def iteration_collectives(graph: Graph, plan: IntraPlan, parts: TrainingParts) -> tuple:
+    """(kind, ranks, ranks sharing a node, bytes) of every once-per-iteration collective of the
+    plan: accumulated gradients' reductions, the optimizer step's collectives and resharding."""
+    found = [c for chosen in plan.nodes if graph[chosen.node].attr("accumulated") or chosen.node > parts.backward_end
+             for c in chosen.collectives]
+    moved = {(r.producer, r.src.dims, r.dst.dims): r for r in plan.reshardings if r.consumer_id > parts.backward_end}
+    found += [c for r in moved.values() for c in r.collectives]
+    return tuple((c.kind.value, *plan.mesh.group_locality(c.axes), c.nbytes) for c in found)
 
 
 def resharding_seconds(graph: Graph, plan: IntraPlan, forward_end: int | None = None) -> list[float]:

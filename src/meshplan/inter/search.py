@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.links import Links
 from meshplan.errors import OptionsError
 from meshplan.inter.costs import LayerCosts, ViewCosts
 from meshplan.inter.placement import place_submeshes
@@ -21,6 +22,7 @@ from meshplan.inter.schedules import get_schedule
 from meshplan.inter.stage_dp import plan_stages
 from meshplan.inter.stages import (
     RECOMPUTE_CHOICES,
+    IterationComm,
     StageEstimate,
     estimate_stage,
     handoff_in_node,
@@ -49,6 +51,10 @@ class InterOptions:
             crosses. Off: the DP prices every hand-off on the inter-node link.
         link_efficiency: fraction of the links' nominal bandwidth hand-offs sustain (the
             simulator's KernelEfficiency.link; 1 for measured costs).
+        bucket_collectives: run each stage's once-per-iteration collectives in buckets (one per
+            kind and group) on the cluster's links (inter.stages.IterationComm).
+        overlap_tail: overlap the once-per-iteration communication with the last micro-batch's
+            backward pass, exposing at least this share of it (None: not overlapped).
     """
 
     capacity_bytes: float = math.inf
@@ -58,6 +64,8 @@ class InterOptions:
     chunks: tuple[int, ...] = (1,)
     node_local_sends: bool = False
     link_efficiency: float = 1.0
+    bucket_collectives: bool = False
+    overlap_tail: float | None = None
 
     def __post_init__(self) -> None:
         get_schedule(self.schedule)
@@ -129,7 +137,8 @@ def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[in
     schedule = get_schedule(options.schedule)
     per_shape = [costs.views_of(shape) for shape in shapes]
     table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
-                          options.recompute, chunks, options.node_local_sends, options.link_efficiency)
+                          options.recompute, chunks, options.node_local_sends, options.link_efficiency,
+                          options.overlap_tail)
     sizes = [n * m for n, m in shapes]
     found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket)
     if found is None:
@@ -164,6 +173,12 @@ def _placed_sends(costs: LayerCosts, cluster: Cluster, stages: list[StageEstimat
     return [*repriced, stages[-1]]
 
 
+def iteration_comm(cluster: Cluster, options: InterOptions) -> IterationComm:
+    """How `options` runs the once-per-iteration communication of the stages on `cluster`."""
+    links = Links.of(cluster.device, options.link_efficiency) if options.bucket_collectives else None
+    return IterationComm(links, options.overlap_tail)
+
+
 def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Cluster, first: int, last: int,
                   stages_left: int, num_microbatches: int, options: InterOptions,
                   chunks: int = 1) -> StageEstimate | None:
@@ -174,7 +189,7 @@ def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Clus
                             chunks * handoff_time(costs, v, last, cluster,
                                                   handoff_in_node(v, cluster, options.node_local_sends),
                                                   options.link_efficiency),
-                            schedule, options.recompute)
+                            schedule, options.recompute, iteration_comm(cluster, options))
              for v in views]
     found = [e for e in found if e is not None]
     return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from meshplan.cluster.cluster import Cluster
 from meshplan.cost.kernels import (
     DEFAULT_EFFICIENCY,
+    WORKSPACE_BYTES,
     KernelEfficiency,
     fused_attention_seconds,
     gemm_seconds,
@@ -48,7 +49,6 @@ from meshplan.simulator.layout import Layout
 # of (published / predicted - 1) over the validated runs (docs/validation.md,
 # benchmarks/results/validation.json); a prediction t is shown as t (t * (1 + LOW) - t * (1 + HIGH)).
 UNCERTAINTY = (-0.040, 0.161)
-WORKSPACE_BYTES = 1.0 * 2**30  # cuBLAS workspaces, NCCL buffers, allocator slack
 FORMULA = "formula/2"  # this closed form's name and version (Prediction.cost_model)
 
 

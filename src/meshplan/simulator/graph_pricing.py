@@ -36,7 +36,8 @@ from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import CollectiveCosts
 from meshplan.cost.fusion import UPDATE, training_pass
-from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelCosts, KernelEfficiency
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY, WORKSPACE_BYTES, KernelCosts, KernelEfficiency
+from meshplan.cost.links import bucketed_seconds
 from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
 from meshplan.inter.costs import LayerCost, layer_cost
@@ -48,7 +49,6 @@ from meshplan.ir.dimnames import dim_names
 from meshplan.models.training import PieceGraph
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.simulator.analytic import (
-    WORKSPACE_BYTES,
     LayoutPrediction,
     LayoutPricer,
     MemoryBreakdown,
@@ -199,18 +199,10 @@ class GraphPricer(LayoutPricer):
         return found
 
     def _stage_sync(self, j: int, layers: list[int]) -> tuple[float, float]:
-        """The stage's gradient reduction and new-weight gathers in buckets (one collective per
-        kind and group for the whole stage, as Megatron and DDP bucket gradients), and its
-        optimizer kernels."""
-        buckets: dict[tuple, float] = {}
-        optimizer = 0.0
-        for priced, count in self._stage_pieces(j, layers):
-            for key, nbytes in _iteration_collectives(priced).items():
-                buckets[key] = buckets.get(key, 0.0) + count * nbytes
-            optimizer += count * (priced.cost.update_time - _update_communication(priced))
-        collectives = CollectiveCosts(link_efficiency=self.eff.link)
-        comm = sum(collectives.cost(kind, self.mesh, axes, nbytes) for (kind, axes), nbytes in buckets.items())
-        return comm, optimizer
+        """The stage's once-per-iteration collectives in buckets, and its optimizer kernels."""
+        pieces = self._stage_pieces(j, layers)
+        listed = [c for priced, count in pieces for c in priced.cost.iteration_collectives * count]
+        return bucketed_seconds(listed, self.links), sum(count * priced.cost.update_time for priced, count in pieces)
 
     def _stage_memory(self, j: int, layers: list[int]) -> MemoryBreakdown:
         lay = self.layout
@@ -231,30 +223,6 @@ class GraphPricer(LayoutPricer):
         held = self._held(j)
         return MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one,
                                WORKSPACE_BYTES + max(working, transient))
-
-
-def _iteration_collectives(priced: PricedPiece) -> dict[tuple, float]:
-    """Bytes per (kind, mesh axes) of the collectives that run once per iteration: the gradient
-    reductions of accumulated nodes, and the optimizer step's collectives and resharding."""
-    graph, plan = priced.piece.graph, priced.plan
-    update = {n.id for n in graph.nodes if training_pass(n) == UPDATE}
-    found: dict[tuple, float] = {}
-    collectives = [c for chosen in plan.nodes if chosen.node in update or graph[chosen.node].attr("accumulated")
-                   for c in chosen.collectives]
-    collectives += [c for r in plan.reshardings if r.consumer_id in update for c in r.collectives]
-    for c in collectives:
-        found[(c.kind, c.axes)] = found.get((c.kind, c.axes), 0.0) + c.nbytes
-    return found
-
-
-def _update_communication(priced: PricedPiece) -> float:
-    """Seconds of the optimizer step's collectives and resharding (the all-gather of the new
-    weights with the distributed optimizer), once per iteration."""
-    graph, plan = priced.piece.graph, priced.plan
-    update = {n.id for n in graph.nodes if training_pass(n) == UPDATE}
-    own = sum(c.cost for chosen in plan.nodes if chosen.node in update for c in chosen.collectives)
-    moved = sum(c.cost for r in plan.reshardings if r.consumer_id in update for c in r.collectives)
-    return own + moved
 
 
 def _static_parts(priced: PricedPiece) -> tuple[float, float, float]:

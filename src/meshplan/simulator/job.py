@@ -69,6 +69,8 @@ class PlannerOptions:
             layouts are priced with the same set).
         fp32_grads: gradients accumulated, held and reduced in fp32 (Megatron's default, as the
             closed-form layouts price them unless `fp32grads=off`).
+        overlap: gradient reductions overlapped with the last micro-batch's backward pass
+            (InterOptions.overlap_tail).
     """
 
     efficiency: float = 0.5
@@ -84,6 +86,7 @@ class PlannerOptions:
     node_local_sends: bool = True
     kernels: KernelEfficiency = DEFAULT_EFFICIENCY
     fp32_grads: bool = True
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:

@@ -200,7 +200,7 @@ def price_view(task: PricingTask) -> ViewCosts:
     """Profile the block(s), embedding and head of the job on one view; the embedding is stacked
     onto the first layer and the head onto the last."""
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
-    mesh = cluster.logical_views(key.submesh)[key.view_index]
+    mesh = planner_views(cluster, key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
     pricing = piece_pricing(job, cluster, options)
     axis = batch_axis(mesh)
@@ -248,8 +248,28 @@ def piece_pricing(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -
 
 
 def batch_axis(mesh: LogicalMesh) -> int:
-    """The axis a stage splits its micro-batch over: the first axis with several devices."""
-    return next((a for a, s in enumerate(mesh.shape) if s > 1), 0)
+    """The axis a stage splits its micro-batch over (Alpa's force_batch_dim_to_mesh_dim): the
+    first; a view with one device there keeps its micro-batch whole."""
+    del mesh
+    return 0
+
+
+def planner_views(cluster: Cluster, shape: tuple[int, int]) -> tuple[LogicalMesh, ...]:
+    """The logical views the planner prices sub-mesh `shape` on (the micro-batch split over
+    axis 0): those of `Cluster.logical_views`, the one-axis view read as data parallelism over
+    every device, (D, 1); and for a sub-mesh inside one node also (1, D): every device on the
+    second axis with the micro-batch whole, i.e. tensor parallelism alone (Megatron's stage of
+    one node at micro-batch 1)."""
+    views = []
+    for view in cluster.logical_views(shape):
+        if view.shape[0] == 1 and view.shape[1] > 1:
+            views.append(LogicalMesh((view.shape[1], 1), view.alpha[::-1], view.beta[::-1], view.memory_per_device,
+                                     view.device_ids, view.topology))
+            if shape[0] == 1:
+                views.append(view)
+        else:
+            views.append(view)
+    return tuple(views)
 
 
 @functools.lru_cache(maxsize=64)

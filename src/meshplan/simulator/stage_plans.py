@@ -21,7 +21,14 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.models.training import PieceGraph
 from meshplan.plan import Plan, Stage, StagePiece
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.pricing import LEAN_PRICES, batch_axis, menu_plans, piece_graphs, piece_pricing
+from meshplan.simulator.pricing import (
+    LEAN_PRICES,
+    batch_axis,
+    menu_plans,
+    piece_graphs,
+    piece_pricing,
+    planner_views,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,5 +134,4 @@ def _block_runs(job: TrainingJob, blocks: dict[bool, PieceGraph], first: int,
 
 
 def _mesh(cluster: Cluster, stage: Stage) -> LogicalMesh:
-    views = cluster.logical_views(stage.submesh)
-    return next(v for v in views if v.shape == stage.logical_mesh)
+    return next(v for v in planner_views(cluster, stage.submesh) if v.shape == stage.logical_mesh)

@@ -65,7 +65,10 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     forced = ctx.config.force_batch_dim_to_mesh_dim
     if forced is not None and node.id in ctx.batch_dims:
         batch_dim = ctx.batch_dims[node.id]
-        kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+        if ctx.mesh.shape[forced] > 1:
+            kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+        else:  # an axis of one device: the micro-batch stays whole
+            kept = [s for s in strategies if not s.output.dims[batch_dim]]
         strategies = kept or strategies
     return NodeStrategies(node.id, tuple(strategies))
 
@@ -118,9 +121,9 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
             and any(ctx.mesh.shape[a] > 1 for a in contracted)):
         return
     for d, axes in enumerate(out.dims):
-        # Onto a whole dim, or (Megatron's sequence parallelism beside context parallelism) onto
-        # a dim already split, further within each shard.
-        if ctx.fits(node.shape[d], tuple(axes) + contracted):
+        # Onto a whole dim, or, under a given layout (Megatron's sequence parallelism beside
+        # context parallelism), onto a dim already split, further within each shard.
+        if (not axes or ctx.fixed) and ctx.fits(node.shape[d], tuple(axes) + contracted):
             onto = tuple(sorted(tuple(axes) + contracted))
             scattered = ShardingSpec(tuple(onto if i == d else a for i, a in enumerate(out.dims)))
             yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, compute, partial,
