@@ -1,6 +1,7 @@
 """Train a two-layer MLP for a few SGD steps under `meshplan.parallelize` on 8 CPU devices.
 
 Run: python examples/mlp.py   (prints loss and step time; the first step includes planning)
+Across processes: meshplan launch --nprocs 2 --devices-per-process 4 -- python examples/mlp.py
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import meshplan.launch  # noqa: E402
 from meshplan.parallel import ShardParallel, parallelize  # noqa: E402
 
 LEARNING_RATE = 0.1
@@ -40,6 +42,7 @@ def train_step(params, batch):
 
 
 def main(steps: int = 5, batch_size: int = 256) -> None:
+    meshplan.launch.initialize()  # joins the job under `meshplan launch`; nothing when run alone
     kp, kx, kw = jax.random.split(jax.random.key(0), 3)
     params = init(kp)
     x = jax.random.normal(kx, (batch_size, 256))

@@ -112,3 +112,14 @@ def test_distributed_knows_nothing_of_what_its_tasks_compute():
     """The executors run any module-level function: they import no planning pass."""
     parts = [p.name for p in SRC.iterdir() if p.name not in ("distributed", "errors.py", "files.py", "__pycache__")]
     assert offending(["distributed"], tuple(f"meshplan.{p.removesuffix('.py')}" for p in parts)) == []
+
+
+def test_launch_knows_nothing_of_planning_and_starts_jax_only_in_the_worker():
+    """`meshplan launch` starts and watches processes: no planning or runtime pass, JAX only inside the
+    worker's `initialize()` (the launcher itself never starts JAX)."""
+    allowed = ("meshplan.launch", "meshplan.errors", "meshplan.distributed.ray_session")
+    bad = [f"{path.relative_to(SRC)} imports {name}" for path in modules("launch") for name in imports(path)
+           if name.startswith("meshplan") and not name.startswith(allowed)]
+    assert bad == []
+    assert offending(["launch"], JAX, top_level_only=True) == []
+    assert offending(["launch"], JAX) == ["launch/worker.py imports jax"]

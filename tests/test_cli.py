@@ -60,12 +60,13 @@ def test_user_errors_are_one_message(args, message):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.data
 def test_solve_problem_writes_solution(tmp_path):
-    from pathlib import Path
-
     from iopddl_score import load, score
 
-    example = Path(__file__).resolve().parents[2] / "shared" / "iopddl" / "example.json"  # ../shared beside the repo
+    from data_files import IOPDDL
+
+    example = IOPDDL / "example.json"
     out = tmp_path / "solution.json"
     result = run("solve-problem", str(example), "--time-limit", "20", "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -87,3 +88,27 @@ def test_solve_problem_bad_input_is_one_message(tmp_path, content, message):
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "s.json").exists()
+
+
+def test_user_error_is_one_unwrapped_line():
+    result = run("simulate", "--cluster", "50")  # the message runs past 80 columns
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 80
+    assert "write e.g. 50x4 (50 nodes of 4 devices)" in lines[0]
+
+
+def test_simulate_help_shows_layout_keys_and_a_whole_example():
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "meshplan.cli", "simulate", "--help"], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(line.strip() == "--layout tp=8,pp=8,dp=1,vp=3,mb=1,sp=on,recompute=selective" for line in lines)
+    keys = " ".join(lines[lines.index("  --layout keys:"):])
+    from meshplan.simulator.layout import _KEYS
+
+    for key in set(_KEYS) - {"distopt"}:  # every key the parser takes but the alias of zero
+        assert f" {key} " in f" {keys} ", key

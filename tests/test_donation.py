@@ -19,7 +19,7 @@ import pytest
 from meshplan import IntraOptions, OptionsError
 from meshplan.capture import capture
 from meshplan.cluster.costs import DeviceCosts
-from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
+from meshplan.parallel import DataParallel, ShardParallel, Zero3Parallel, parallelize
 from meshplan.parallel import donation as donation_module
 from meshplan.parallel.donation import Donation, UnusedDonationWarning, drop_unplaceable, pair_donated
 from test_api import mlp_adam_program, train
@@ -133,5 +133,3 @@ def test_donate_argnums_errors_are_clear():
     with pytest.raises(OptionsError, match=r"donate_argnums=\(3,\)\): position\(s\) \[3\] are out of range for "
                                            r"<lambda> called with 1 argument"):
         parallelize(lambda x: x * 2, donate_argnums=(3,))(jnp.ones(8))
-    with pytest.raises(OptionsError, match="pipelined functions do not donate buffers yet"):
-        parallelize(lambda x: x, method=PipeshardParallel(num_micro_batches=2), donate_argnums=(0,))

@@ -1,14 +1,17 @@
-"""Multi-host: two processes (4 CPU devices each, jax.distributed on 127.0.0.1, gloo
-collectives) run one parallelized training step over all 8 devices, and both see the losses
-one device computes."""
+"""Multi-host on one machine: `meshplan launch` starts processes of CPU devices (jax.distributed on
+127.0.0.1, gloo collectives) that train one parallelized step over every device of every process and
+see the losses one device computes; through Ray the same; a killed or hanging worker ends the job with
+one message naming it, within 60 s."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -17,48 +20,91 @@ import pytest
 
 from multihost_step import STEPS, make_data, step
 
+pytestmark = pytest.mark.slow  # each test launches a job of 2-4 processes (15-70 s on 2 shared cores)
+
 HERE = Path(__file__).parent
+WORKER = str(HERE / "multihost_worker.py")
+PIPESHARD_ERROR = "PipeshardParallel runs in one process, but JAX runs 2 (jax.distributed)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_two_processes(method: str) -> list[dict]:
-    port = str(free_port())
-    # The workers import this checkout's meshplan (its src first), whatever is installed.
-    path = os.pathsep.join(str(p) for p in (HERE.parent / "src", HERE))
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": path}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), port, method],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
-@pytest.mark.parametrize("method", ["shard", "dp"])
-def test_two_processes_train_like_one_device(method):
+@pytest.fixture(scope="module")
+def one_device_losses() -> list[float]:
     state, x, y = make_data()
-    want = []
     one = jax.jit(step)
     state = jax.device_put(state, jax.devices()[0])
+    losses = []
     for _ in range(STEPS):
         state, loss = one(state, x, y)
-        want.append(float(loss))
-    results = run_two_processes(method)
-    assert [r["process"] for r in results] == [0, 1]
-    assert all(r["devices"] == 8 and r["local"] == 4 for r in results)
-    assert results[0]["mesh"] == results[1]["mesh"] and results[0]["objective"] == results[1]["objective"]
-    for r in results:
-        np.testing.assert_allclose(r["losses"], want, rtol=1e-5, atol=1e-6)
+        losses.append(float(loss))
+    return losses
 
 
-def test_pipeshard_across_processes_is_a_clear_error():
-    results = run_two_processes("pipeshard")
-    for r in results:
-        assert "PipeshardParallel runs in one process, but JAX runs 2 (jax.distributed)" in r["error"]
+def launch(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """`meshplan launch ARGS` with this checkout's meshplan (its src first, whatever is installed) and the
+    test helpers importable; its result and wall seconds."""
+    path = os.pathsep.join(str(p) for p in (HERE.parent / "src", HERE))
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "meshplan.cli", "launch", *args], capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return result, time.monotonic() - start
+
+
+def train(tmp_path: Path, nprocs: int, devices: int, methods: str, *options: str) -> list[dict]:
+    result, _ = launch("--nprocs", str(nprocs), "--devices-per-process", str(devices), *options, "--", "python",
+                       WORKER, str(tmp_path), methods)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "rank 0 done"  # rank 0's output only
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
+
+
+def check_like_one_device(reports: list[dict], method: str, want: list[float]) -> None:
+    plans = {(tuple(r["results"][method]["mesh"]), r["results"][method]["objective"]) for r in reports}
+    assert len(plans) == 1  # every process planned the same step
+    for report in reports:
+        np.testing.assert_allclose(report["results"][method]["losses"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_of_four_devices_train_like_one_device(tmp_path, one_device_losses):
+    reports = train(tmp_path, 2, 4, "shard,dp,pipeshard")
+    assert [(r["process"], r["processes"], r["devices"], r["local"]) for r in reports] == [(0, 2, 8, 4), (1, 2, 8, 4)]
+    for method in ("shard", "dp"):
+        check_like_one_device(reports, method, one_device_losses)
+    for report in reports:
+        assert PIPESHARD_ERROR in report["results"]["pipeshard"]["error"]
+
+
+def test_four_processes_of_two_devices_train_like_one_device(tmp_path, one_device_losses):
+    reports = train(tmp_path, 4, 2, "shard")
+    assert [(r["process"], r["devices"], r["local"]) for r in reports] == [(p, 8, 2) for p in range(4)]
+    check_like_one_device(reports, "shard", one_device_losses)
+
+
+def test_ray_launch_trains_like_one_device(tmp_path, one_device_losses):
+    pytest.importorskip("ray")
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        reports = train(tmp_path, 2, 2, "shard", "--ray-address", "local", "--ray-temp-dir", ray_dir)
+    finally:
+        subprocess.run(["rm", "-rf", ray_dir], check=False)
+    assert [(r["process"], r["devices"], r["local"]) for r in reports] == [(0, 4, 2), (1, 4, 2)]
+    check_like_one_device(reports, "shard", one_device_losses)
+
+
+def seconds_since_fault(stderr: str) -> float:
+    """Seconds since rank 1 went wrong (it prints the time just before)."""
+    return time.time() - float(re.search(r"\[rank 1\] fault at ([\d.]+)", stderr).group(1))
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("kill", "error: rank 1 failed (killed by signal 9 (SIGKILL)); stopped every rank"),
+    ("hang", "error: rank 1 hangs: it joined the job"),
+])
+def test_a_killed_or_hanging_worker_ends_the_job_naming_it(tmp_path, fault, message):
+    result, _ = launch("--nprocs", "2", "--devices-per-process", "2", "--hang-timeout", "10", "--", "python",
+                       WORKER, str(tmp_path), "shard", "--fault", fault, timeout=240)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), last
+    assert "rank 0 failed" not in last and "rank 0 hangs" not in last  # not the rank waiting for rank 1
+    assert seconds_since_fault(result.stderr) < 60
+    assert not list(tmp_path.glob("rank*.json"))  # no rank finished

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,9 @@ from meshplan.intra.memory import memory_rows
 from meshplan.intra.presolve import presolve
 from meshplan.intra.problem import ProblemError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"  # ../shared beside the repo
+from data_files import IOPDDL, iopddl_instance
+
+EXAMPLE = IOPDDL / "example.json"
 BEST_KNOWN = {"B": 532_843, "S": 1_521_949_307, "U": 2_443_995_952}
 
 
@@ -83,9 +84,10 @@ def test_search_path_is_feasible_and_bounded(seed):
     assert result.bound <= expected
 
 
+@pytest.mark.data
 def test_example_instance_is_optimal():
-    raw = load(str(SHARED / "example.json"))
-    result = solve_problem(read_iopddl(SHARED / "example.json"), ProblemOptions(time_limit=10))
+    raw = load(str(EXAMPLE))
+    result = solve_problem(read_iopddl(EXAMPLE), ProblemOptions(time_limit=10))
     assert result.status is SolveStatus.OPTIMAL
     assert score(raw, result.choice.tolist()) == (enumerate_best(raw), True)
 
@@ -133,6 +135,7 @@ def test_memory_rows_hold_the_peak(seed):
         assert q.cost_of(choice) + pre.offset == score(raw, pre.expand(choice).tolist())[0]
 
 
+@pytest.mark.data
 @pytest.mark.parametrize(("change", "message"), [
     (lambda p: p["nodes"].pop("usages"), "missing field"),
     (lambda p: p["edges"]["costs"][0].pop(), "has 1 costs; expected"),
@@ -140,20 +143,21 @@ def test_memory_rows_hold_the_peak(seed):
     (lambda p: p["nodes"]["costs"][1].__setitem__(0, -3), "non-negative"),
 ])
 def test_malformed_problems_are_refused(change, message):
-    raw = load(str(SHARED / "example.json"))
+    raw = load(str(EXAMPLE))
     change(raw)
     with pytest.raises(ProblemError, match=message):
         problem_from_iopddl({"problem": raw})
 
 
 def _shared(name: str, time_limit: float):
-    path = str(SHARED / f"asplos-2025-iopddl-{name}.json.gz")
+    path = str(iopddl_instance(name))
     raw = load(path)
     result = solve_problem(read_iopddl(path), ProblemOptions(time_limit=time_limit))
     cost, feasible = score(raw, result.choice.tolist())
     return result, cost, feasible
 
 
+@pytest.mark.data
 def test_shared_instance_b_reaches_best_known():
     result, cost, feasible = _shared("B", 60)
     assert feasible and cost == result.cost
@@ -161,6 +165,7 @@ def test_shared_instance_b_reaches_best_known():
     assert result.bound is not None and result.bound <= cost
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("name", ["S", "U"])
 def test_large_shared_instances_are_feasible_quickly(name):
     result, cost, feasible = _shared(name, 25)
@@ -170,10 +175,11 @@ def test_large_shared_instances_are_feasible_quickly(name):
     assert result.bound is not None and 0.25 * BEST_KNOWN[name] < result.bound <= BEST_KNOWN[name]
 
 
+@pytest.mark.data
 def test_solution_file_round_trips(tmp_path):
     from meshplan.intra.iopddl import solution_to_json
 
-    p = read_iopddl(SHARED / "example.json")
+    p = read_iopddl(EXAMPLE)
     data = solution_to_json(p, solve_problem(p))
     assert json.loads(json.dumps(data))["solution"] == data["solution"]
-    assert score(load(str(SHARED / "example.json")), data["solution"]) == (data["cost"], True)
+    assert score(load(str(EXAMPLE)), data["solution"]) == (data["cost"], True)

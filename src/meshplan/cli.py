@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from meshplan.cluster.mesh import LogicalMesh, parse_bytes, parse_floats, parse_mesh_shape
 from meshplan.cost.model import CostModel
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     from meshplan.plan import Plan
     from meshplan.simulator import TrainingJob
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+# Plain (click) help: rich's option tables squeeze the help column and cut long examples.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Plan data, tensor and pipeline parallelism for deep-learning training.")
 err = Console(stderr=True)
 
@@ -45,13 +47,14 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except MeshplanError as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False)
+            # soft_wrap: a terminal wraps the line at its real width; a pipe or a log gets it whole
+            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return run
 
 
-@app.command()
+@app.command(short_help="Shard one model over one logical mesh (intra-op ILP).")
 @user_errors
 def intra(
     model: Annotated[str, typer.Option(help="Model preset, e.g. llama2-13b.")] = "llama2-13b",
@@ -109,7 +112,7 @@ def intra(
         print_intra_plan(plan, Console(), extra)
 
 
-@app.command("solve-problem")
+@app.command("solve-problem", short_help="Solve an IOPDDL-format sharding problem.")
 @user_errors
 def solve_problem_file(
     path: Annotated[str, typer.Argument(help="Problem file in the IOPDDL format (.json or .json.gz).")],
@@ -138,7 +141,27 @@ def solve_problem_file(
                     f"wrote {out}")
 
 
-@app.command()
+# "\b" keeps click from re-flowing the paragraph that follows it (the example line stays whole).
+_LAYOUT_HELP = """\b
+--layout keys:
+  tp pp dp cp ep   tensor, pipeline, data, context, expert parallel sizes
+  vp mb            virtual stages per device, sequences per micro-batch
+  recompute        none, selective or full
+  sp zero fsdp     sequence parallel, distributed optimizer, fully sharded
+  overlap tpo      overlapped data-parallel and tensor-parallel communication
+  flash fp8 fp32grads
+                   fused attention, fp8 GEMMs, fp32 gradient reduction
+  (the on/off keys take on or off)
+
+\b
+Example (Megatron's GPT-3 175B recipe on 64 A100s):
+  meshplan simulate --model gpt3-175b --cluster 8x8 --device a100-80gb \\
+    --global-batch 64 --seq-len 2048 \\
+    --layout tp=8,pp=8,dp=1,vp=3,mb=1,sp=on,recompute=selective
+"""
+
+
+@app.command(epilog=_LAYOUT_HELP, short_help="Plan training on a cluster; predict time and memory.")
 @user_errors
 def simulate(
     model: Annotated[str, typer.Option(help="Model preset (e.g. llama2-13b) or a config.json path.")] = "llama2-13b",
@@ -165,8 +188,8 @@ def simulate(
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     layout: Annotated[str, typer.Option(
-        help="Price this layout instead of planning, e.g. tp=8,pp=8,dp=16,vp=3,mb=1,sp=on,recompute=selective "
-             "(keys: tp pp dp cp ep vp mb sp recompute zero overlap tpo flash fp8 fp32grads).")] = "",
+        help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
+             "example below).")] = "",
     efficiency_file: Annotated[str, typer.Option(help="Kernel efficiencies (JSON) for --layout pricing.")] = "",
     pricer: Annotated[str, typer.Option(help="How --layout is priced: formula (closed form) or graph (fixed "
                                              "per-op strategies on the operator graph: the auto planner's "
@@ -217,7 +240,7 @@ def simulate(
         show(plan, Console())
 
 
-@app.command()
+@app.command(short_help="Show a plan; export HTML, PartitionSpecs, trace.")
 @user_errors
 def report(
     plan: Annotated[str, typer.Argument(help="A plan file (simulate/intra --out) or a dump_debug_info folder.")],
@@ -262,7 +285,7 @@ def report(
         err.print("wrote " + ", ".join(written), highlight=False)
 
 
-@app.command()
+@app.command(short_help="What changed between two plans, largest first.")
 @user_errors
 def diff(
     first: Annotated[str, typer.Argument(help="Plan A (file or dump_debug_info folder).")],
@@ -326,7 +349,7 @@ def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_fil
     return plan
 
 
-@app.command("profile-cluster")
+@app.command("profile-cluster", short_help="Measure these devices; write a cluster file.")
 @user_errors
 def profile_cluster(
     out: Annotated[str, typer.Option(help="Cluster file to write.")] = "cluster.json",
@@ -354,7 +377,48 @@ def profile_cluster(
                     f"(latency {d['intra_latency'] * 1e6:.1f} us), inter-node {d['inter_bandwidth'] / 1e9:.2f} GB/s")
 
 
-@app.command()
+_LAUNCH_HELP = """\b
+Examples:
+  meshplan launch --nprocs 2 --devices-per-process 4 -- python train.py
+  meshplan launch --ray-address auto -- python train.py
+
+The script calls meshplan.launch.initialize() before anything uses JAX. Exit status: 0 when every
+process exits 0; 1 when one fails or hangs (all are stopped, one line names the rank); 2 for a bad
+setup. See docs/multihost.md."""
+
+
+@app.command(epilog=_LAUNCH_HELP, context_settings={"allow_interspersed_args": False},
+             short_help="Start a JAX job's processes here or on Ray; watch them.")
+@user_errors
+def launch(
+    command: Annotated[list[str] | None, typer.Argument(help="What every process runs, after --.",
+                                                        show_default=False)] = None,
+    nprocs: Annotated[int | None, typer.Option(help="Processes to start (on Ray: workers, default one per "
+                                                    "node).", show_default=False)] = None,
+    devices_per_process: Annotated[int | None, typer.Option(help="CPU devices per process (default 1); on Ray "
+                                                                 "GPU nodes, GPUs per worker (default: the "
+                                                                 "node's).", show_default=False)] = None,
+    coordinator: Annotated[str, typer.Option(help="HOST:PORT of JAX's coordination service (default: "
+                                                  "127.0.0.1, or rank 0's Ray node, and a free port).")] = "",
+    ray_address: Annotated[str, typer.Option(help="Run on Ray: local (start one here), auto (the cluster this "
+                                                  "node is in) or ray://HOST:PORT.")] = "",
+    hang_timeout: Annotated[float, typer.Option(help="Seconds a process behind the others may stay silent "
+                                                     "before it counts as hung; 0: off.")] = 30.0,
+    ray_temp_dir: Annotated[str, typer.Option(help="Folder for a local Ray's files (with --ray-address "
+                                                   "local).")] = "",
+) -> None:
+    """Start the processes of one JAX job with jax.distributed set up for them (coordinator, process
+    count and ids, devices, gloo collectives on CPU), show rank 0's output and the others' errors, and
+    stop them all with one message naming the rank when one fails or hangs."""
+    from meshplan.launch import LaunchSpec, run
+
+    status = run(LaunchSpec(tuple(command or ()), nprocs, devices_per_process, coordinator, ray_address,
+                            hang_timeout, ray_temp_dir))
+    if status:
+        raise typer.Exit(status)
+
+
+@app.command(short_help="CFP: ParallelBlocks planned with profiled costs.")
 @user_errors
 def cfp(
     model: Annotated[str, typer.Option(help="gpt3-125m, llama2-7b, moe-1.3b, ... or a config.json.")] = "gpt3-125m",

@@ -37,3 +37,8 @@ class OptionsError(MeshplanError):
 
 class PlanValidationError(MeshplanError):
     """A plan (or plan file) is inconsistent or of an unsupported schema version."""
+
+
+class LaunchError(MeshplanError):
+    """A multi-process launch cannot start: bad options, a missing script, an unreachable cluster,
+    or a worker whose devices are not what the launcher gave it."""

@@ -11,10 +11,15 @@ from the program, not from argument positions:
 2. The other inputs' dims are followed through the program (`meshplan.ir.dimflow`). Dims that
    meet in some value (`x @ w - y` puts x's rows and y's rows on one dim) form a *family*. A
    family that reaches an updated state value is a feature dim (y's columns run into w's
-   gradient and w's update); the batch dim is contracted away in every weight gradient. Of the
-   rest, the batch is the family that reaches the most values (it runs through every activation
-   and its gradient; a feature dim dies at the next contraction); ties go to the earliest
-   argument, then the lower dim.
+   gradient and w's update); the batch dim is contracted away in every weight gradient.
+3. The batch is the dim along which examples are independent: nothing mixes positions along
+   it before sums end it (the loss's mean, the weights' gradients). Each family is checked for
+   that on the captured program (`meshplan.ir.independence`): attention mixes the sequence dim
+   (its scores hold it twice), nothing mixes the batch. Of the families so proved, the one
+   reaching the most values is the batch (it runs through every activation and its gradient);
+   ties go to the earliest argument, then the lower dim. When none is proved, the family
+   reaching the most values is taken and flagged (`UnprovenBatchWarning`, raised by the methods
+   that split it; micro-batching refuses it: `check_micro_batchable`).
 
 `batch_argnums` names the batch arguments instead: their leaves are split along dim 0, which
 they must share. Arguments that are state, or hold no array, are refused with the reason.
@@ -22,6 +27,7 @@ they must share. Arguments that are state, or hold no array, are refused with th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +35,15 @@ from meshplan.capture.jaxpr import Captured
 from meshplan.errors import OptionsError
 from meshplan.ir import Graph, OpKind
 from meshplan.ir.dimflow import trace_dims
+from meshplan.ir.independence import find_mixing
+
+_PROVED = "proved independent: nothing mixes positions along it before sums over it (the loss's mean, the " \
+          "weights' gradients)"
+_MAX_OTHERS = 4  # other candidate families an explanation lists
+
+
+class UnprovenBatchWarning(UserWarning):
+    """No input dim was proved to hold independent examples: the batch split is a guess."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +54,45 @@ class BatchInputs:
         dims: (flat input index, batch dim) of every batch leaf, in input order.
         argnums: positions of the arguments holding them.
         inferred: True when found from the program, False when given by `batch_argnums`.
+        independent: whether the program was proved to keep positions along `dims` apart
+            (`meshplan.ir.independence`): only then may the batch be cut into micro-batches.
+        reason: the proof's verdict, e.g. the op that mixes the dims.
+        others: the other candidate families, each with why it was not chosen (most reach first).
     """
 
     dims: tuple[tuple[int, int], ...]
     argnums: tuple[int, ...]
     inferred: bool
+    independent: bool = False
+    reason: str = ""
+    others: tuple[str, ...] = ()
 
     def describe(self, captured: Captured) -> str:
         """E.g. "args[2] i32[8, 16] (dim 0)"."""
-        return ", ".join(f"{_leaf(captured, i)} (dim {d})" for i, d in self.dims) or "none"
+        return _members_text(captured, self.dims) or "none"
+
+    def explain(self, captured: Captured, how: str | None = None) -> str:
+        """The batch, how it was chosen (`how`, default "inferred" or "given by batch_argnums") and
+        why, e.g. "args[2] i32[8, 16] (dim 0), inferred: proved independent: ...; other candidates:
+        args[2] i32[8, 16] (dim 1) reaches 812 values, but ..."."""
+        if not self.dims:
+            return "none"
+        how = how or ("inferred" if self.inferred else "given by batch_argnums")
+        text = f"{self.describe(captured)}, {how}: {self.reason}"
+        return text + (f"; other candidates: {'; '.join(self.others)}" if self.others else "")
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """Input dims that meet in some value, and the (node, dim) pairs they reach."""
+
+    members: tuple[tuple[int, int], ...]
+    reached: frozenset[tuple[int, int]]
+    feeds_results: bool  # some result depends on a member (an unused key is trivially independent, no batch)
+
+    def rank(self) -> tuple[int, list[int], list[int]]:
+        """Larger is preferred: more values reached, then earlier arguments, then lower dims."""
+        return len(self.reached), [-i for i, _ in self.members], [-d for _, d in self.members]
 
 
 def find_batch_inputs(captured: Captured, batch_argnums: Sequence[int] | None, fn_name: str) -> BatchInputs:
@@ -68,27 +113,128 @@ def find_batch_inputs(captured: Captured, batch_argnums: Sequence[int] | None, f
                 if inferred.dims else "pass the positions of the arguments whose leading dim is the batch, or ")
         raise OptionsError(f"parallelize({fn_name}, batch_argnums={argnums}): {problem}; {hint}leave "
                            "batch_argnums out to let meshplan infer the batch from the program")
-    leaves = [i for k in argnums for i in _leaves_of(captured, k) if _rank(captured, i)]
-    return BatchInputs(tuple((i, 0) for i in leaves), argnums, inferred=False)
+    return given_batch_inputs(captured, argnums)
+
+
+def given_batch_inputs(captured: Captured, argnums: Sequence[int]) -> BatchInputs:
+    """The leaves of the arguments at `argnums` as the batch, along dim 0 (unchecked), with the
+    verdict of the independence proof."""
+    argnums = tuple(argnums)
+    dims = tuple((i, 0) for k in argnums for i in _leaves_of(captured, k) if _rank(captured, i))
+    mixing = _mixing(captured, dims)
+    return BatchInputs(dims, argnums, inferred=False, independent=mixing is None, reason=_verdict(mixing))
 
 
 def infer_batch_inputs(captured: Captured) -> BatchInputs:
-    """The batch family of the inputs that are not state (see the module doc); none when every
-    input with a dim is state."""
+    """The batch family of the inputs that are not state: the proved-independent family reaching
+    the most values, else (flagged not independent) the family reaching the most values (see the
+    module doc); none when every input with a dim is state."""
     state = updated_inputs(captured)
     updates = {captured.output_nodes[k] for k in state.values()}
     candidates = [(i, d) for i in range(len(captured.input_nodes)) if i not in state
                   for d in range(_rank(captured, i)) if _shape(captured, i)[d] > 1]
-    families = [f for f in _families(captured.graph, captured.input_nodes, candidates)
-                if not any(node in updates for node, _ in f[1])]
+    read = _outputs_read(captured)
+    families = sorted((_Family(tuple(members), frozenset(reached), any(read >> i & 1 for i, _ in members))
+                       for members, reached in _families(captured.graph, captured.input_nodes, candidates)
+                       if not any(node in updates for node, _ in reached)), key=_Family.rank, reverse=True)
     if not families:
-        return BatchInputs((), (), inferred=True)
-    best = max(families, key=lambda f: (len(f[1]), [-i for i, _ in f[0]], [-d for _, d in f[0]]))
+        return BatchInputs((), (), inferred=True, reason="no input dim is a candidate: every input with a dim "
+                                                         "comes back updated, or has only size-1 dims")
+    chosen, mixings = _first_proved(captured, families)
+    proved = chosen is not None
+    chosen = chosen if proved else 0
+    best = families[chosen]
     dims: dict[int, int] = {}
-    for i, d in best[0]:
+    for i, d in best.members:
         dims.setdefault(i, d)  # a leaf with two dims in the family (x @ x.T) keeps the lower one
     argnums = tuple(sorted({_argnum(captured, i) for i in dims}))
-    return BatchInputs(tuple(sorted(dims.items())), argnums, inferred=True)
+    listed = [k for k in range(len(families)) if k != chosen][:_MAX_OTHERS]
+    others = tuple(_other_text(captured, families[k], _checked(mixings, k, captured, families[k]), best)
+                   for k in listed)
+    reason = _PROVED if proved else (f"{_verdict(mixings[0] or 'no result depends on it')}; taken as the "
+                                     f"candidate reaching the most values")
+    return BatchInputs(tuple(sorted(dims.items())), argnums, inferred=True, independent=proved,
+                       reason=reason, others=others)
+
+
+def warn_if_unproven(batch: BatchInputs, captured: Captured, fn_name: str, stacklevel: int = 2) -> None:
+    """Warn (UnprovenBatchWarning) when an inferred batch was not proved to hold independent examples."""
+    if batch.inferred and batch.dims and not batch.independent:
+        warnings.warn(f"{fn_name}: no input dim is proved to hold independent examples, so the batch split is a "
+                      f"guess: {batch.explain(captured)}. If that is not the batch, pass parallelize(..., "
+                      f"batch_argnums=(i, ...)) with the positions of the arguments whose leading dim is the batch",
+                      UnprovenBatchWarning, stacklevel=stacklevel + 1)
+
+
+def check_micro_batchable(batch: BatchInputs, captured: Captured, fn_name: str, count: int,
+                          how: str | None = None) -> None:
+    """Micro-batches are cut only along dims proved to hold independent examples.
+
+    Args:
+        how: how the batch was chosen, when not by `find_batch_inputs` (then `batch_argnums`
+            cannot change it and is not offered as a fix).
+
+    Raises:
+        OptionsError: `count` > 1 and the batch is not so proved; the message names the dims, the
+            op that mixes them and the fixes.
+    """
+    if count <= 1 or batch.independent or not batch.dims:
+        return
+    choose = "" if how else ("pass parallelize(..., batch_argnums=(i, ...)) with the positions of the arguments "
+                             "whose leading dim holds independent examples, or ")
+    how = how or ("inferred" if batch.inferred else "given by batch_argnums")
+    raise OptionsError(
+        f"PipeshardParallel cuts {fn_name}'s batch into {count} micro-batches only along a dim whose examples are "
+        f"independent, and {batch.describe(captured)} ({how}) is not: {batch.reason}. Micro-batches along it "
+        f"would change what the step computes. To fix it, {choose}use PipeshardParallel(num_micro_batches=1), or a "
+        f"method that splits the batch without cutting it (DataParallel, Zero2Parallel, Zero3Parallel)")
+
+
+def _first_proved(captured: Captured, families: list[_Family]) -> tuple[int | None, dict[int, str | None]]:
+    """The first family (widest first) proved independent that some result depends on, or None;
+    and where each family checked on the way mixes."""
+    mixings: dict[int, str | None] = {}
+    for k, family in enumerate(families):
+        mixings[k] = _mixing(captured, family.members)
+        if mixings[k] is None and family.feeds_results:
+            return k, mixings
+    return None, mixings
+
+
+def _mixing(captured: Captured, members: Sequence[tuple[int, int]]) -> str | None:
+    """Where the program mixes positions along these input dims, or None when it never does."""
+    graph = captured.graph
+    mixing = find_mixing(graph, [(captured.input_nodes[i], d) for i, d in members])
+    return None if mixing is None else mixing.describe(graph)
+
+
+def _verdict(mixing: str | None) -> str:
+    return _PROVED if mixing is None else f"not proved independent: {mixing}"
+
+
+def _checked(mixings: dict[int, str | None], k: int, captured: Captured, family: _Family) -> str | None:
+    """Where family `k` mixes, checked now if it was not yet."""
+    if k not in mixings:
+        mixings[k] = _mixing(captured, family.members)
+    return mixings[k]
+
+
+def _other_text(captured: Captured, family: _Family, mixing: str | None, best: _Family) -> str:
+    """Why `family` is not the batch: where it mixes, that nothing depends on it, or that it
+    reaches fewer values."""
+    count = len(family.reached)
+    what = f"{_members_text(captured, family.members, most=3)} reaches {count} value{'s' * (count != 1)}"
+    if mixing is not None:
+        return f"{what}, but {mixing}"
+    if not family.feeds_results:
+        return f"{what}, but no result depends on it"
+    return f"{what}, fewer than the batch's {len(best.reached)}"
+
+
+def _members_text(captured: Captured, members: Sequence[tuple[int, int]], most: int | None = None) -> str:
+    """E.g. "args[2] i32[8, 16] (dim 0), args[3] f32[8] (dim 0)"; past `most` members, "and N more"."""
+    shown = ", ".join(f"{_leaf(captured, i)} (dim {d})" for i, d in members[:most])
+    return shown + (f" and {len(members) - most} more" if most is not None and len(members) > most else "")
 
 
 def updated_inputs(captured: Captured) -> dict[int, int]:
@@ -105,6 +251,16 @@ def updated_inputs(captured: Captured) -> dict[int, int]:
                     and reads[out] & ~(1 << position[n]):
                 found.setdefault(position[n], k)
     return found
+
+
+def _outputs_read(captured: Captured) -> int:
+    """A bit mask of the flat inputs some result depends on."""
+    position = {node: i for i, node in enumerate(captured.input_nodes)}
+    masks = _inputs_read(captured.graph, position)
+    mask = 0
+    for out in captured.output_nodes:
+        mask |= masks[out]
+    return mask
 
 
 def _inputs_read(graph: Graph, position: dict[int, int]) -> list[int]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
-import os
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
+from meshplan.distributed.ray_session import import_ray, start_or_join_ray
 from meshplan.errors import OptionsError
 
 # One attempt's report: (task index, succeeded, value or error text).
@@ -199,29 +199,8 @@ class RayExecutor:
     name = "ray"
 
     def __init__(self, address: str = "local", temp_dir: str | None = None, num_cpus: int | None = None) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise OptionsError("--executor ray needs Ray: pip install 'meshplan[ray]' (or pip install ray)") from None
-        self._ray = ray
-        self._started = False
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                      "ignore_reinit_error": True}
-            if address == "local":  # a new Ray for this run, even if another runs on this machine
-                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                kwargs.update(address="local", num_cpus=num_cpus)
-                if temp_dir:
-                    kwargs["_temp_dir"] = temp_dir
-            else:
-                kwargs["address"] = address
-            try:
-                ray.init(**kwargs)
-            except Exception as exc:
-                raise OptionsError(f"could not start or join Ray at --ray-address {address!r} ({exc}); use "
-                                   "'local' to start one here, 'auto' inside a Ray cluster, or ray://HOST:10001") \
-                    from None
-            self._started = address == "local"
+        self._ray = import_ray("--executor ray")
+        self._started = start_or_join_ray(address, temp_dir, num_cpus, purpose="--executor ray")
         self._remote: dict[TaskFunction, Any] = {}
 
     def _slots(self) -> int:

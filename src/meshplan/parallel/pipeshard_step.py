@@ -7,8 +7,9 @@
 * the *loss*: the marked loss jaxpr, with what the step computes for it beforehand from
   non-differentiated inputs (e.g. `ids[:, :-1]`) folded in front; traced again at micro-batch
   shapes and cut into layers (runtime.loss_layers) that the pipeline runs forward and backward
-  per micro-batch, accumulating gradients (the loss of a step is the mean of its micro-batches'
-  losses, as in Alpa: exact for a loss that is a mean over the batch);
+  per micro-batch, accumulating gradients; the program each micro-batch runs is rewritten so
+  that the micro-batches' losses and gradients add up to the full batch's
+  (runtime.micro_batching: means, sums, weighted means, dropout);
 * the *update*: every equation after the gradient that the step's results need (optimizer,
   metrics), at full-batch shapes, run on the stages' devices: each equation goes to the stage
   that holds its largest input (a weight's gradient, its optimizer moments follow it),
@@ -137,7 +138,7 @@ def loss_program(step: TracedStep, name: str) -> LossProgram:
     prelude = _ancestors(jaxpr, step.gradient.index)
     weights = {jaxpr.invars[i] for i in step.differentiated}
     for i in prelude:
-        read_weights = [v for v in jaxpr.eqns[i].invars if v in weights]
+        read_weights = [v for v in jaxpr.eqns[i].invars if not isinstance(v, Literal) and v in weights]
         if read_weights:
             raise OptionsError(f"{name} computes `{jaxpr.eqns[i].primitive.name}` of a weight it differentiates "
                                f"before taking the gradient and passes the result to the loss; JAX does not "
@@ -276,13 +277,45 @@ def _bytes(aval: Any) -> float:
 # --- execution ------------------------------------------------------------------------------------
 
 class UpdateRunner:
-    """Runs the update pieces on their stages' meshes; jitted functions are built once."""
+    """Runs the update pieces on their stages' meshes; jitted functions are built once.
 
-    def __init__(self, step: TracedStep, pieces: Sequence[UpdatePiece], meshes: Sequence[Mesh]) -> None:
+    `donated` step inputs (flat positions; the caller handed their buffers over) are donated to
+    the last piece that reads them, each paired with the first result of that piece of its shape
+    and dtype that no earlier input took (jax.jit's own rule): the new weights and optimizer state
+    are written into the old ones' buffers. A donated input that the step returns as it is, or
+    that no piece result can take, is not donated (`not_donated`).
+    """
+
+    def __init__(self, step: TracedStep, pieces: Sequence[UpdatePiece], meshes: Sequence[Mesh],
+                 donated: Sequence[int] = ()) -> None:
         self.step, self.pieces, self.meshes = step, tuple(pieces), tuple(meshes)
         jaxpr = step.closed.jaxpr
         self._consts = {v: _host(c) for v, c in zip(jaxpr.constvars, step.closed.consts, strict=True)}
-        self._fns = tuple(jax.jit(self._piece_fn(p)) for p in self.pieces)
+        self.donations = _donations(step, self.pieces, donated)
+        taken = {jaxpr.invars.index(piece.inputs[i]) for piece, d in zip(self.pieces, self.donations, strict=True)
+                 for i in d}
+        self.not_donated = tuple(sorted(set(donated) - taken))
+        self._fns = tuple(self._piece_fn(p) for p in self.pieces)
+        self._jitted: dict[tuple[int, Any], Any] = {}
+        self._last_inputs: dict[int, list[jax.ShapeDtypeStruct]] = {}
+
+    def compiled_piece(self, n: int) -> Any:
+        """Piece n compiled for the inputs of the last call (its HLO shows the buffers it aliases)."""
+        inputs = self._last_inputs[n]
+        return self._jit(n, inputs).lower(*inputs).compile()
+
+    def _jit(self, n: int, inputs: Sequence[Any]) -> Any:
+        """Piece n jitted; a result that takes a donated input's buffer is laid out as that input
+        (XLA reuses a buffer only for the same layout, and the next step finds the value in place)."""
+        donated = self.donations[n]
+        shardings = tuple(inputs[i].sharding for i in donated)
+        key = (n, shardings)
+        if key not in self._jitted:
+            out = [None] * len(self.pieces[n].outputs)
+            for j, where in zip(donated.values(), shardings, strict=True):
+                out[j] = where
+            self._jitted[key] = jax.jit(self._fns[n], donate_argnums=tuple(donated), out_shardings=tuple(out))
+        return self._jitted[key]
 
     def _piece_fn(self, piece: UpdatePiece) -> Any:
         consts = self._consts
@@ -295,14 +328,53 @@ class UpdateRunner:
 
     def __call__(self, env: dict[Any, Any]) -> Any:
         """The step's results, from `env` holding its inputs and the gradient's results."""
-        for piece, fn in zip(self.pieces, self._fns, strict=True):
+        for n, (piece, donated) in enumerate(zip(self.pieces, self.donations, strict=True)):
             mesh = self.meshes[piece.stage]
-            values = fn(*(on_mesh(env[v], mesh) for v in piece.inputs))
+            inputs = [on_mesh(_own_copy(env[v], mesh) if i in donated else env[v], mesh)
+                      for i, v in enumerate(piece.inputs)]
+            self._last_inputs[n] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in inputs]
+            values = self._jit(n, inputs)(*inputs)
             env.update(zip(piece.outputs, (on_mesh(v, mesh) for v in values), strict=True))
         jaxpr = self.step.closed.jaxpr
         outs = [v.val if isinstance(v, Literal) else self._consts[v] if v in self._consts else env[v]
                 for v in jaxpr.outvars]
         return jax.tree_util.tree_unflatten(self.step.out_tree, outs)
+
+
+def _donations(step: TracedStep, pieces: Sequence[UpdatePiece], donated: Sequence[int]) -> list[dict[int, int]]:
+    """Per piece, {input position: result position} of the donated inputs it consumes and the
+    results written into their buffers (see UpdateRunner)."""
+    jaxpr = step.closed.jaxpr
+    returned = {v: k for k, v in reversed(list(enumerate(jaxpr.outvars))) if not isinstance(v, Literal)}
+    candidates = {jaxpr.invars[i] for i in donated} - set(returned)
+    last_reader = {v: n for n, piece in enumerate(pieces) for v in piece.inputs if v in candidates}
+    result = []
+    for n, piece in enumerate(pieces):  # the step's results first, in its result order (jit's rule on the step)
+        free = sorted(range(len(piece.outputs)), key=lambda j: (returned.get(piece.outputs[j], len(returned)), j))
+        taken = {}
+        for i, v in enumerate(piece.inputs):
+            if last_reader.get(v) != n:
+                continue
+            match = next((j for j in free if _same_aval(piece.outputs[j].aval, v.aval)), None)
+            if match is not None:
+                free.remove(match)
+                taken[i] = match
+        result.append(taken)
+    return result
+
+
+def _same_aval(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _own_copy(value: Any, mesh: Mesh) -> Any:
+    """`value` itself when it is on `mesh` (the caller's donated array: consumed), else a copy,
+    so that donating it never deletes an array the caller did not hand over (jax.device_put may
+    keep the source's buffer: JAX 0.10 CPU, one device -> replicated)."""
+    sharding = getattr(value, "sharding", None)
+    if sharding is not None and sharding.device_set == set(mesh.devices.flat):
+        return value
+    return jnp.array(value, copy=True)
 
 
 def on_mesh(value: Any, mesh: Mesh) -> Any:

@@ -17,13 +17,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from meshplan.capture import BatchInputs, Captured, capture, find_batch_inputs, tag_batch_inputs
+from meshplan.capture import BatchInputs, Captured, capture, find_batch_inputs, tag_batch_inputs, warn_if_unproven
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.errors import InfeasiblePlanError, OptionsError
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import format_graph
+from meshplan.parallel.call import CallForm
 from meshplan.parallel.donation import Donation, alias_donated, drop_unplaceable, pair_donated, warn_not_donated
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
 from meshplan.parallel.methods import SpmdMethod
@@ -56,13 +57,14 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
     donated, and the originals stay valid.
     """
 
-    def __init__(self, fn: Callable[..., Any], method: SpmdMethod, devices: Sequence[Any] | None,
+    def __init__(self, fn: Callable[..., Any] | CallForm, method: SpmdMethod, devices: Sequence[Any] | None,
                  batch_argnums: tuple[int, ...] | None, donate_argnums: tuple[int, ...] | str = (),
                  costs: DeviceCosts | None = None) -> None:
+        """`batch_argnums` and `donate_argnums` are slot indices (CallForm.slot)."""
         super().__init__(fn, method, devices, costs)
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
 
-    def __call__(self, *args: Any) -> Any:
+    def _run(self, args: tuple[Any, ...]) -> Any:
         compiled = self._compiled(args)
         if compiled.donation.pairs:
             args = _copy_misplaced_donations(args, compiled)
@@ -84,10 +86,10 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         return self._require_last().in_shardings
 
     def describe_batch(self) -> str:
-        """The batch leaves of the last call and the dim split, e.g. "args[2] i32[8, 16] (dim 0)";
-        "none" when the method splits no batch."""
-        last = self._require_last()
-        return "none" if last.batch is None else last.batch.describe(last.captured)
+        """The batch leaves of the last call, the dim split and why, e.g. "args[2] i32[8, 16] (dim 0),
+        inferred: proved independent: ...; other candidates: ..."; "none" when the method splits
+        no batch."""
+        return _batch_text(self._require_last(), self.method)
 
     def _plan_of(self, compiled: _Compiled) -> IntraPlan:
         return compiled.plan
@@ -99,8 +101,9 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         function), diagnostics.json (involuntary full rematerializations XLA reported while
         compiling, with its messages; compile time; donated argument -> result pairs)."""
         executable = compiled.sharded.executable
+        batch = (("batch", _batch_text(compiled, self.method)),) if self.method.splits_batch else ()
         plan = single_stage_plan(compiled.plan, "parallelize", self.__name__,
-                                 options=(("method", type(self.method).__name__),))
+                                 options=(("method", type(self.method).__name__), *batch))
         return {"graph.txt": format_graph(compiled.captured.graph), "hlo.txt": executable.as_text(),
                 "memory.txt": str(executable.memory_analysis()) + "\n", "shardings.txt": _shardings_text(executable),
                 "plan.json": plan.to_dict(), "cost.json": _jsonable(executable.cost_analysis()),
@@ -155,6 +158,8 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
         if not self.method.splits_batch and self.donate_argnums != "auto":
             return None
         batch = find_batch_inputs(captured, self.batch_argnums, self.__name__)
+        if self.method.splits_batch:
+            warn_if_unproven(batch, captured, self.__name__, stacklevel=5)
         if self.method.splits_batch and not batch.dims:
             raise OptionsError(
                 f"{type(self.method).__name__} splits the batch, but no input of {self.__name__} looks like one: "
@@ -182,6 +187,13 @@ class SpmdFunction(ParallelizedFunction[_Compiled]):
                 leaves.extend(range(start, start + count))
             start += count
         return leaves
+
+
+def _batch_text(compiled: _Compiled, method: SpmdMethod) -> str:
+    """The batch the method splits and why (BatchInputs.explain); "none" when it splits none."""
+    if compiled.batch is None or not method.splits_batch:
+        return "none"
+    return compiled.batch.explain(compiled.captured)
 
 
 def _copy_misplaced_donations(ordered: tuple[Any, ...], compiled: _Compiled) -> tuple[Any, ...]:

@@ -136,6 +136,8 @@ def header_lines(plan: Plan) -> list[str]:
     budget = memory_budget(plan)
     if budget:
         lines.append(f"memory budget {gb(budget)} GB per device")
+    if plan.option("batch"):  # what a runtime plan splits (or cuts into micro-batches) as the batch, and why
+        lines.append(f"batch {plan.option('batch')}")
     return lines
 
 

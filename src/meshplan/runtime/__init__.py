@@ -4,10 +4,12 @@ from meshplan.inter.schedules import SCHEDULES, Event, Phase, make_schedule
 from meshplan.runtime.boundary import mark_pipeline_boundary, split_into_stages
 from meshplan.runtime.diagnostics import CompileDiagnostics, RematerializationWarning, compile_lowered
 from meshplan.runtime.pipeline import (
+    ForwardResult,
     Pipeline,
     PipelineResult,
     apply_update,
     place_params,
+    run_forward,
     run_micro_batches,
     run_pipeline,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "SCHEDULES",
     "CompileDiagnostics",
     "Event",
+    "ForwardResult",
     "Phase",
     "Pipeline",
     "PipelineResult",
@@ -37,6 +40,7 @@ __all__ = [
     "mark_pipeline_boundary",
     "partition_spec",
     "place_params",
+    "run_forward",
     "run_micro_batches",
     "run_pipeline",
     "split_into_stages",

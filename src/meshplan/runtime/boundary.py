@@ -14,7 +14,7 @@ import jax
 from jax.extend.core import Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from meshplan.errors import GraphError
+from meshplan.errors import GraphError, OptionsError
 from meshplan.runtime.replay import read, replay
 
 pipeline_boundary_p = Primitive("pipeline_boundary")
@@ -46,11 +46,20 @@ def mark_pipeline_boundary(*xs: Any) -> Any:
     Returns:
         The arguments, unchanged: a single value if one was given, else a tuple.
 
+    Raises:
+        OptionsError: no array was given (Alpa's `mark_pipeline_boundary()` form): the boundary is
+            marked on the values that cross it, so a call without any would mark nothing.
+
     Example:
         h = mark_pipeline_boundary(jnp.tanh(x @ w1))
     """
     leaves, tree = jax.tree_util.tree_flatten(xs)
-    out = jax.tree_util.tree_unflatten(tree, pipeline_boundary_p.bind(*leaves) if leaves else [])
+    if not leaves:
+        raise OptionsError(
+            "mark_pipeline_boundary() was given no arrays, so it marks nothing: meshplan marks a pipeline boundary "
+            "on the activations that cross it. Pass them through it and use what it returns, e.g. "
+            "`x = mark_pipeline_boundary(x)` (Alpa's no-argument form `mark_pipeline_boundary()` is not supported)")
+    out = jax.tree_util.tree_unflatten(tree, pipeline_boundary_p.bind(*leaves))
     return out[0] if len(xs) == 1 else out
 
 

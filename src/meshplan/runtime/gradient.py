@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
 from meshplan.errors import OptionsError
@@ -121,8 +121,8 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
 
     def transform(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False,
                   **options: Any) -> Callable[..., Any]:
-        if any(options.values()):  # holomorphic, allow_int, ...: JAX's own gradient
-            return original(fun, argnums, has_aux=has_aux, **options)
+        if any(options.values()):  # holomorphic, allow_int, ...: not pipelined
+            return _refusing(fun, argnums, has_aux, options, original)
 
         def marked(*args: Any, **kwargs: Any) -> Any:
             if kwargs:
@@ -134,6 +134,21 @@ def _marking(original: Callable[..., Any], with_value: bool) -> Callable[..., An
         return marked
 
     return transform
+
+
+def _refusing(fun: Callable[..., Any], argnums: Any, has_aux: bool, options: dict[str, Any],
+              original: Callable[..., Any]) -> Callable[..., Any]:
+    """JAX's own gradient on constants; on the step's values an error (the step would otherwise
+    look like one without a gradient, and run forward only)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+            used = sorted(k for k, v in options.items() if v)
+            raise OptionsError(f"{getattr(fun, '__name__', 'the loss')} is differentiated with {used}; "
+                               f"PipeshardParallel pipelines gradients of real-valued losses with respect to "
+                               f"float weights: drop {used} (or use another method)")
+        return original(fun, argnums, has_aux=has_aux, **options)(*args, **kwargs)
+
+    return call
 
 
 def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequence[int], has_aux: bool,
@@ -155,11 +170,16 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
         return jax_own()  # not a scalar float loss
     owners = [n for n, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
     consts = list(closed.consts)
-    loss = ClosedJaxpr(_consts_as_inputs(closed.jaxpr), ())
+    operands = [*consts, *leaves]
+    jaxpr = _consts_as_inputs(closed.jaxpr)
+    passed = _passed_through(jaxpr)
+    loss = ClosedJaxpr(jaxpr.replace(outvars=[v for j, v in enumerate(jaxpr.outvars) if j not in passed]), ())
     differentiated = (False,) * len(consts) + tuple(n in nums for n in owners)
-    value, *rest = gradient_p.bind(*consts, *leaves, loss=loss, differentiated=differentiated)
-    num_aux = len(closed.out_avals) - 1
-    aux, grads = rest[:num_aux], rest[num_aux:]
+    value, *rest = gradient_p.bind(*operands, loss=loss, differentiated=differentiated)
+    num_aux = len(closed.out_avals) - 1 - len(passed)
+    computed = iter(rest[:num_aux])
+    aux = [operands[passed[j]] if j in passed else next(computed) for j in range(1, len(closed.out_avals))]
+    grads = rest[num_aux:]
     if has_aux:
         value = (value, jax.tree_util.tree_unflatten(aux_tree, aux))
     per_arg: list[list[Any]] = [[] for _ in args]
@@ -170,6 +190,15 @@ def _bind(fun: Callable[..., Any], args: tuple[Any, ...], argnums: int | Sequenc
     if with_value:
         return value, grad
     return (grad, value[1]) if has_aux else grad
+
+
+def _passed_through(jaxpr: Any) -> dict[int, int]:
+    """Aux results (result index >= 1) that are inputs of the loss as they came in -> the input's
+    position. nnx.value_and_grad returns its objects' whole state as aux values: they are the step's
+    own values, left out of the loss so that a pipeline need not carry weights to its last stage."""
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    return {j: position[v] for j, v in enumerate(jaxpr.outvars)
+            if j >= 1 and not isinstance(v, Literal) and v in position}
 
 
 def _consts_as_inputs(jaxpr: Any) -> Any:

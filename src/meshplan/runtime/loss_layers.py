@@ -84,7 +84,8 @@ def split_loss(loss: ClosedJaxpr, weights: Sequence[int], num_layers: int | None
     fns, reads = [], []
     for k, (a, b) in enumerate(zip(starts, ends, strict=True)):
         eqns = jaxpr.eqns[a:b]
-        read_weights = sorted({weight_vars[v] for eqn in eqns for v in eqn.invars
+        results = jaxpr.outvars if k == len(starts) - 1 else []  # a weight returned as it is: the last layer's
+        read_weights = sorted({weight_vars[v] for v in [*(v for eqn in eqns for v in eqn.invars), *results]
                                if not isinstance(v, Literal) and v in weight_vars})
         reads.append(tuple(read_weights))
         outs = jaxpr.outvars if k == len(starts) - 1 else acts[k + 1]

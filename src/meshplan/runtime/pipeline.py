@@ -36,7 +36,9 @@ class Pipeline:
     planned layout's carries sharding constraints); by default every stage is replicated on its
     sub-mesh, or with `data_parallel=True` splits activations, targets and cotangents along dim 0.
     With `last_has_aux=True` the last stage returns `(loss, aux)`: aux values are kept per
-    micro-batch and not differentiated.
+    micro-batch and not differentiated. With `forward_only=True` (inference) every stage is
+    `stage_fns[k](params_k, x) -> y`, run forward only (`run_forward`); the last stage's `y` is
+    the result.
     """
 
     stage_fns: tuple[StageFn, ...]
@@ -44,6 +46,7 @@ class Pipeline:
     data_parallel: bool = False
     layouts: tuple[StageLayout, ...] | None = None
     last_has_aux: bool = False
+    forward_only: bool = False
     _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
     _backwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
@@ -61,7 +64,7 @@ class Pipeline:
             raise OptionsError(f"Pipeline got {len(self.layouts)} layouts for {len(self.stage_fns)} stages; "
                                f"give one StageLayout per stage")
         object.__setattr__(self, "layouts", tuple(self.layouts))
-        forwards, backwards = zip(*(_jit_stage(layout, k == last, self.last_has_aux and k == last)
+        forwards, backwards = zip(*(_jit_stage(layout, k == last, self.last_has_aux and k == last, self.forward_only)
                                     for k, layout in enumerate(self.layouts)), strict=True)
         object.__setattr__(self, "_forwards", forwards)
         object.__setattr__(self, "_backwards", backwards)
@@ -130,13 +133,17 @@ def _check_stages(fns: tuple[StageFn, ...], meshes: tuple[Mesh, ...]) -> None:
             seen[device] = k
 
 
-def _jit_stage(layout: StageLayout, is_last: bool, has_aux: bool = False) -> tuple[Any, Any]:
-    """The stage's jitted forward (saving its vjp) and backward, pinned to its layout.
+def _jit_stage(layout: StageLayout, is_last: bool, has_aux: bool = False,
+               forward_only: bool = False) -> tuple[Any, Any]:
+    """The stage's jitted forward (saving its vjp) and backward, pinned to its layout; with
+    `forward_only`, the forward alone (no vjp, no targets) and no backward.
 
     Residuals in the vjp function keep whatever sharding XLA picks (`None`); the backward's
     grad output shardings are what make XLA sum (or reduce-scatter) the partial grads.
     """
     fn = layout.fn
+    if forward_only:
+        return jax.jit(fn, in_shardings=(layout.params, layout.inputs), out_shardings=layout.outputs), None
     if is_last:
         forward = jax.jit(lambda p, x, t: _vjp(lambda p_, x_: fn(p_, x_, t), p, x, has_aux),
                           in_shardings=(layout.params, layout.inputs, layout.targets),
@@ -289,27 +296,73 @@ def run_pipeline(pipeline: Pipeline, params_per_stage: Sequence[Any], batch: Any
 
 
 def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], inputs: Sequence[Any],
-                      targets: Sequence[Any], schedule: str = "1f1b") -> PipelineResult:
+                      targets: Sequence[Any], schedule: str = "1f1b", loss: str = "mean") -> PipelineResult:
     """`run_pipeline` on micro-batches already cut: `inputs[m]` and `targets[m]` are micro-batch m's
     first-stage input and last-stage targets (values that are not per example, such as a
-    random key, may be the same in every micro-batch)."""
+    random key, may be the same in every micro-batch).
+
+    `loss="mean"`: the loss is the mean of the micro-batches' losses and each backward is seeded
+    with `1 / B`; `"sum"`: their sum, each backward seeded with 1 (micro-batch losses that are
+    contributions to the full loss, meshplan.runtime.micro_batching).
+    """
+    if loss not in ("mean", "sum"):
+        raise OptionsError(f"run_micro_batches(loss={loss!r}): use 'mean' or 'sum'")
     num_micro_batches = len(inputs)
     events = make_schedule(schedule, pipeline.num_stages, num_micro_batches)
     last = pipeline.output_sharding(pipeline.num_stages - 1)
+    seed = 1.0 if loss == "sum" else 1.0 / num_micro_batches
     run = _Run(pipeline, place_params(pipeline, params_per_stage), list(inputs), list(targets),
-               jax.device_put(jnp.float32(1.0 / num_micro_batches), last))
+               jax.device_put(jnp.float32(seed), last))
     executed: list[Event] = []
     for event in events:
         step = run.forward if event.phase is Phase.FORWARD else run.backward
         step(event.stage, event.micro_batch)
         executed.append(event)
-    loss = _mean(run.losses)
-    return PipelineResult(loss, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
+    total = sum_of(run.losses) if loss == "sum" else _mean(run.losses)
+    return PipelineResult(total, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
 
 
 @jax.jit
 def _mean(losses: list[jax.Array]) -> jax.Array:
     return sum(losses) / len(losses)
+
+
+@jax.jit
+def sum_of(values: list[Any]) -> Any:
+    """The sum of `values` (arrays of one shape and dtype, integers included), jitted."""
+    return sum(values[1:], values[0])
+
+
+class ForwardResult(NamedTuple):
+    """What `run_forward` returns: the last stage's result per micro-batch, and the steps run."""
+
+    outputs: tuple[Any, ...]
+    events: tuple[Event, ...]
+
+
+def run_forward(pipeline: Pipeline, params_per_stage: Sequence[Any], inputs: Sequence[Any]) -> ForwardResult:
+    """Run micro-batches `inputs` forward through a `forward_only` pipeline (inference).
+
+    Steps are dispatched diagonal by diagonal (stage s runs micro-batch m at step s + m), so
+    stages work on different micro-batches side by side.
+    """
+    if not pipeline.forward_only:
+        raise OptionsError("run_forward runs a Pipeline(forward_only=True); use run_micro_batches to train")
+    params = place_params(pipeline, params_per_stage)
+    stages, count = pipeline.num_stages, len(inputs)
+    acts = dict(enumerate(inputs))
+    outputs: list[Any] = [None] * count
+    events = []
+    for t in range(stages + count - 1):
+        for s in range(max(0, t - count + 1), min(stages, t + 1)):
+            m = t - s
+            y = pipeline._forwards[s](params[s], jax.device_put(acts.pop(m), pipeline.activation_sharding(s)))
+            if s == stages - 1:
+                outputs[m] = y
+            else:
+                acts[m] = y
+            events.append(Event(s, m, Phase.FORWARD))
+    return ForwardResult(tuple(outputs), tuple(events))
 
 
 def apply_update(params_per_stage: Sequence[Any], grads_per_stage: Sequence[Any],

@@ -6,10 +6,19 @@ rules, remat), so differentiating a replayed function gives JAX's own gradients.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax.extend.core import ClosedJaxpr, Literal
+
+try:  # private in JAX 0.10: keeps the user's source lines on re-traced equations (for error messages)
+    from jax._src.source_info_util import user_context
+except ImportError:  # pragma: no cover
+    user_context = None
+
+CALLS = ("jit", "pjit", "closed_call", "core_call")  # call primitives whose body inline_calls splices in
 
 # (jaxpr Var, value) -> the value to keep, e.g. with a sharding constraint applied
 ValueHook = Callable[[Any, Any], Any]
@@ -42,3 +51,37 @@ def subjaxprs(params: dict[str, Any]) -> list[Any]:
             elif hasattr(item, "eqns") and hasattr(item, "invars"):
                 found.append(item)
     return found
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with every nested `jax.jit` call (and closed_call) spliced into the top level, recursively.
+
+    The result computes the same values; custom_jvp/custom_vjp calls and remat stay calls (their
+    rules matter to gradients). Equations keep their source lines.
+    """
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *args: _run_inlined(closed.jaxpr, closed.consts, args))(*avals)
+
+
+def _run_inlined(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env = {**dict(zip(jaxpr.constvars, consts, strict=True)), **dict(zip(jaxpr.invars, args, strict=True))}
+    for eqn in jaxpr.eqns:
+        values = [read(env, v) for v in eqn.invars]
+        with source_of(eqn):
+            if eqn.primitive.name in CALLS:
+                body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                inner, inner_consts = (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, ())
+                outs = _run_inlined(inner, inner_consts, values)
+            else:
+                outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results or eqn.primitive.name in CALLS
+                       else (outs,), strict=True))
+    return [read(env, v) for v in jaxpr.outvars]
+
+
+def source_of(eqn: Any) -> Any:
+    """A context in which equations traced get `eqn`'s source line (a no-op without JAX's helper)."""
+    if user_context is None:
+        return contextlib.nullcontext()
+    return user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack)

@@ -79,7 +79,8 @@ def data_parallel_layout(fn: StageFn, mesh: Mesh, is_last: bool) -> StageLayout:
 
 
 def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any,
-                   targets: Any = None, differentiate_input: bool = True, name: str = "stage") -> StageLayout:
+                   targets: Any = None, differentiate_input: bool = True, name: str = "stage",
+                   backward: bool = True) -> StageLayout:
     """Plan the stage's forward and backward with the intra-op ILP and lay it out accordingly.
 
     Args:
@@ -91,8 +92,10 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
             for every stage but the last.
         differentiate_input: plan the gradient of `x` too (every stage but the first needs it).
         name: the captured graph's name.
+        backward: plan the backward too (False: an inference stage, forward only).
     """
-    captured, planned, plan = plan_stage(fn, logical, options, params, x, targets, differentiate_input, name)
+    captured, planned, plan = plan_stage(fn, logical, options, params, x, targets, differentiate_input, name,
+                                         backward)
     graph, grads = planned
     specs = {c.node: c.output for c in plan.nodes}
     num_params, num_x = (len(jax.tree_util.tree_leaves(a)) for a in (params, x))
@@ -113,7 +116,7 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
 
 
 def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any, targets: Any = None,
-               differentiate_input: bool = True, name: str = "stage",
+               differentiate_input: bool = True, name: str = "stage", backward: bool = True,
                ) -> tuple[Captured, tuple[Graph, dict[int, int]], IntraPlan]:
     """Capture the stage, append its VJP and solve the intra-op ILP; arguments as `planned_layout`.
 
@@ -124,7 +127,8 @@ def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params:
     args = (params, x) if targets is None else (params, x, targets)
     captured = capture(fn, *args, name=name)
     num_params, num_x = (len(jax.tree_util.tree_leaves(a)) for a in (params, x))
-    planned = with_backward(captured, range(num_params + num_x if differentiate_input else num_params))
+    planned = with_backward(captured, range(num_params + num_x if differentiate_input else num_params)) if backward \
+        else None
     planned = planned or (captured.graph, {})
     return captured, planned, solve_intra(planned[0], logical, options)
 
