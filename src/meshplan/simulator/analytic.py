@@ -49,6 +49,10 @@ from meshplan.simulator.layout import Layout
 # of (published / predicted - 1) over the validated runs (docs/validation.md,
 # benchmarks/results/validation.json); a prediction t is shown as t (t * (1 + LOW) - t * (1 + HIGH)).
 UNCERTAINTY = (-0.040, 0.161)
+# The parts of an iteration's time every pricer reports (LayoutPrediction.breakdown, the
+# `time.*` metrics of a simulated plan), so plans and recipes compare part by part.
+TIME_PARTS = ("compute", "tensor/expert-parallel communication", "recomputation", "hand-offs", "pipeline bubble",
+              "exposed data-parallel communication", "optimizer step")
 FORMULA = "formula/2"  # this closed form's name and version (Prediction.cost_model)
 
 
@@ -382,11 +386,10 @@ class LayoutPricer:
         sync, optimizer = self._data_parallel(stages, backward_window)
         memory = self._memory(stages)
         m = self.num_microbatches
-        breakdown = (("compute and sends", m * (compute_s[critical] - tp_s[critical] - recompute_s[critical])),
-                     ("tensor/expert-parallel communication", m * tp_s[critical]),
-                     ("recomputation", m * recompute_s[critical]),
-                     ("pipeline bubble", pipeline - m * times[critical]),
-                     ("exposed data-parallel communication", sync), ("optimizer step", optimizer))
+        send = self._send(critical)
+        parts = (m * (compute_s[critical] - tp_s[critical] - recompute_s[critical] - send), m * tp_s[critical],
+                 m * recompute_s[critical], m * send, pipeline - m * times[critical], sync, optimizer)
+        breakdown = tuple(zip(TIME_PARTS, parts, strict=True))
         peak = self.device.fp8_flops if lay.fp8 else self.device.peak_flops
         return LayoutPrediction(lay, pipeline + sync + optimizer, pipeline, sync + optimizer, tuple(times), m, memory,
                                 self.device.memory_bytes * memory_fraction, self.cluster.num_devices - lay.devices,

@@ -213,7 +213,8 @@ def price_view(task: PricingTask) -> ViewCosts:
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
                               reduce_scatter=options.reduce_scatter, pricing=pricing)[0],)
 
-    menus = {moe: menu(g) for moe, g in blocks.items()}
+    overhead = layer_overhead(options)
+    menus = {moe: tuple(replace(c, time=c.time + overhead) for c in menu(g)) for moe, g in blocks.items()}
     layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
     layers[0] = _stacked(menu(embed), layers[0])
     layers[-1] = _stacked(layers[-1], menu(head))
@@ -230,6 +231,12 @@ def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
     """Activations one micro-batch sends across each block boundary."""
     per_boundary = microbatch_size * job.seq_len * job.model.hidden * job.dtype.itemsize
     return (float(per_boundary),) * (job.model.layers - 1)
+
+
+def layer_overhead(options: PlannerOptions) -> float:
+    """Launch and framework seconds per block and micro-batch, paid in its backward pass as the
+    closed form pays them (KernelEfficiency.per_layer_overhead_s; none under the flat rate)."""
+    return options.kernels.per_layer_overhead_s if options.gemm_curve else 0.0
 
 
 def cost_model_name(options: PlannerOptions) -> str:

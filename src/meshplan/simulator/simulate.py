@@ -32,8 +32,8 @@ from meshplan.simulator.planner import (
     plan_training,
     planned_microbatch_sizes,
 )
-from meshplan.simulator.pricing import GRAPH, cost_model_name, task_name
-from meshplan.simulator.stage_plans import with_stage_plans
+from meshplan.simulator.pricing import GRAPH, cost_model_name, layer_overhead, task_name
+from meshplan.simulator.stage_plans import PlannedPiece, block_runs, replayed, with_pieces, with_stage_plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +99,13 @@ def layout_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, lab
     bounds = [round(j * job.model.layers / lay.pp) for j in range(lay.pp + 1)]
     per_node = cluster.devices_per_node
     submesh = (math.ceil(per_stage / per_node), per_node) if per_stage >= per_node else (1, per_stage)
+    # Every stage waits for the slowest stage's gradient sync and optimizer step, as the
+    # closed form charges them to the iteration.
+    parts = dict(found.breakdown)
+    sync, update = parts["exposed data-parallel communication"], parts["optimizer step"]
     stages = tuple(Stage(bounds[j], bounds[j + 1] - 1, tuple(range(j * per_stage, (j + 1) * per_stage)),
                          (lay.dp * lay.cp, lay.tp), submesh, None, "layout", lay.recompute, found.stage_times[j],
-                         found.memory.total, None) for j in range(lay.pp))
+                         found.memory.total, None, sync, update) for j in range(lay.pp))
     seconds = found.iteration_time
     tflops = found.model_flops / seconds / cluster.num_devices / 1e12
     prediction = Prediction(seconds, found.pipeline_time, found.sync_time, job.tokens / seconds, tflops, found.mfu,
@@ -129,7 +133,31 @@ def _recipe_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, op
     cost model), with its pieces' plans, and its closed-form time in the metrics."""
     pricer = GraphPricer(job, cluster, found.layout, options.kernels)
     plan = layout_plan(pricer.predict(options.memory_fraction), job, cluster, "layout-search")
-    return replace(plan, metrics=plan.metrics + (("formula_s", found.iteration_time),))
+    stages = tuple(_layout_stage(stage, pricer, job, options) for stage in plan.stages)
+    # The schedule replayed on the stages' own forward and backward seconds, as the auto plan's
+    # (the closed form's bubble is an upper bound); the difference leaves the bubble.
+    closed_form = plan.prediction.pipeline_time_s
+    plan = replayed(replace(plan, stages=stages))
+    shorter = closed_form - plan.prediction.pipeline_time_s
+    metrics = tuple((name, value - shorter if name == "time.pipeline bubble" else value)
+                    for name, value in plan.metrics)
+    return replace(plan, metrics=metrics + (("formula_s", found.iteration_time),))
+
+
+def _layout_stage(stage: Stage, pricer: GraphPricer, job: TrainingJob, options: PlannerOptions) -> Stage:
+    """A stage of a graph-priced layout with its pieces' plans and times, as the auto plan's."""
+    def planned(name: str) -> PlannedPiece:
+        priced = pricer.pieces[name]
+        return PlannedPiece(name, priced.piece, priced.plan, priced.cost.attention_forward_time)
+
+    blocks = {moe: pricer.pieces["moe-block" if moe else "block"].piece for moe in (False, True)
+              if ("moe-block" if moe else "block") in pricer.pieces}
+    ranges = [(planned("embedding"), 0, 0)] if stage.first_layer == 0 else []
+    ranges += [(planned(name), first, last) for name, _, first, last in
+               block_runs(job, blocks, stage.first_layer, stage.last_layer)]
+    if stage.last_layer == job.model.layers - 1:
+        ranges.append((planned("head"), stage.last_layer, stage.last_layer))
+    return with_pieces(stage, ranges, layer_overhead(options))[0]
 
 
 def _recipe_note(recipe: Plan, dp_plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> str:
@@ -154,6 +182,23 @@ def _recipe_note(recipe: Plan, dp_plan: Plan, job: TrainingJob, cluster: Cluster
     return (f"taken from the layout search ({recipe.option('layout')}), priced on the operator graph: "
             f"{recipe.prediction.iteration_time_s:.4g} s against {dp_plan.prediction.iteration_time_s:.4g} s "
             f"for the stage DP's own plan ({ratio:.3f}x){why}")
+
+
+def _fastest_exact_baseline(found: list[Baseline]) -> Baseline | None:
+    """The fastest baseline whose plan is one of the stage DP's candidates as priced (the
+    Megatron grid, plain data parallelism; ZeRO-2's memory is the formula's, not a plan's)."""
+    exact = [b for b in found if b.plan is not None and b.name in ("megatron", "data-parallel")]
+    return min(exact, key=lambda b: b.plan.iteration_time, default=None)
+
+
+def _beside_best_recipe(auto: Plan, name: str, recipe: Plan, job: TrainingJob, cluster: Cluster,
+                        options: PlannerOptions) -> Plan:
+    """`auto` with the fastest recipe's name and time breakdown (metrics `recipe_time.*`, the
+    same parts as its own `time.*`), to show side by side."""
+    if not recipe.metrics_under("time."):  # a pipeline baseline: its breakdown from its stage plans
+        recipe = with_stage_plans(recipe, job, cluster, options)
+    breakdown = tuple((f"recipe_time.{part}", seconds) for part, seconds in recipe.metrics_under("time.").items())
+    return replace(auto, metrics=auto.metrics + breakdown, options=auto.options + (("best_recipe", name),))
 
 
 def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> str:
@@ -226,27 +271,34 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
                                    b.reason)
                     for b in found)
     auto = to_plan(best, job, cluster, model)
-    grid = next((b for b in found if b.name == "megatron" and b.plan is not None), None)
-    if grid is not None and grid.plan.iteration_time < best.iteration_time:
-        # Uniform grid points are plans of the auto search space too; the stage DP prices sync
-        # per stage approximately and can miss them by a little.
-        auto = replace(to_plan(replace(grid.plan, label="auto"), job, cluster, model),
-                       notes=(f"taken from the Megatron grid ({grid.config}): "
+    taken = _fastest_exact_baseline(found)
+    if taken is not None and taken.plan.iteration_time < best.iteration_time:
+        # Megatron grid points and plain data parallelism are plans of the auto search space
+        # too; the stage DP prices sync per stage approximately and can miss them by a little.
+        auto = replace(to_plan(replace(taken.plan, label="auto"), job, cluster, model),
+                       notes=(f"taken from the {taken.name} baseline ({taken.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
     start = time.perf_counter()
     auto = with_stage_plans(auto, job, cluster, options)
     stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
+    recipes = [(f"{r.name} {r.config}", r.plan) for r in results if r.plan is not None]
     if search.best is not None:
         start = time.perf_counter()
         recipe = _recipe_plan(search.best, job, cluster, options)
         stats.timed("layout search on the graph", start)
         summaries += (BaselineSummary("layout-search", recipe.option("layout"), recipe.prediction),)
+        recipes.append((f"layout-search {recipe.option('layout')}", recipe))
         faster = recipe.prediction.iteration_time_s < auto.prediction.iteration_time_s
         if faster and recipe.prediction.peak_memory_bytes <= capacity(cluster, options) + WORKSPACE_BYTES:
             auto = replace(recipe, label="auto", notes=(_recipe_note(recipe, auto, job, cluster, options),
                                                         *recipe.notes))
+    if recipes:
+        start = time.perf_counter()
+        name, fastest = min(recipes, key=lambda r: r[1].prediction.iteration_time_s)
+        auto = _beside_best_recipe(auto, name, fastest, job, cluster, options)
+        stats.timed("stage plans", start)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
     failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)
