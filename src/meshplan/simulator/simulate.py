@@ -289,9 +289,10 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
         recipe = _recipe_plan(search.best, job, cluster, options)
         stats.timed("layout search on the graph", start)
         summaries += (BaselineSummary("layout-search", recipe.option("layout"), recipe.prediction),)
-        recipes.append((f"layout-search {recipe.option('layout')}", recipe))
-        faster = recipe.prediction.iteration_time_s < auto.prediction.iteration_time_s
-        if faster and recipe.prediction.peak_memory_bytes <= capacity(cluster, options) + WORKSPACE_BYTES:
+        fits = recipe.prediction.peak_memory_bytes <= capacity(cluster, options) + WORKSPACE_BYTES
+        if fits:
+            recipes.append((f"layout-search {recipe.option('layout')}", recipe))
+        if fits and recipe.prediction.iteration_time_s < auto.prediction.iteration_time_s:
             auto = replace(recipe, label="auto", notes=(_recipe_note(recipe, auto, job, cluster, options),
                                                         *recipe.notes))
     if recipes:
