@@ -5,13 +5,16 @@ Cases (the issue's targets in brackets, on 2 cores):
 - llama2-13b on 50x4 V100-32GB, global batch 1000 x 4096 (<= 10 s);
 - llama2-70b on 128x8 A100-80GB, global batch 1024 x 4096 (<= 30 s);
 - llama3.1-405b on 288x8 H100-80GB, global batch 2304 x 8192 (<= 60 s);
+- mixtral-8x7b on 4x8 H100-80GB, global batch 256 x 4096 (<= 30 s);
 - llama3.1-8b on 16x8 and llama3.1-70b on 64x8 H100-80GB, for the table in docs/scale.md.
 
 Each case records wall seconds, CPU seconds of this process and of its pool workers, an
 estimate of the wall time on two idle cores (the main process's CPU seconds, with the layout
 search's shared with the workers': see _idle_estimate), the load average
 (other programs share the cores), planner seconds per phase, pricing tasks run and the
-prediction. With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
+prediction, and the auto plan against the fastest baseline (Megatron grid, data parallel,
+ZeRO-2, layout search) under one cost model (every prediction's cost_model is recorded; the
+auto plan must be no slower). With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
 a local Ray, and the JSON plans compared (planner seconds left out). Writes
 benchmarks/results/scale.json.
 Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME] [--keep]
@@ -39,6 +42,7 @@ CASES = (
     ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 10.0),
     ("llama2-70b", 128, 8, "a100-80gb", 1024, 4096, 30.0),
     ("llama3.1-405b", 288, 8, "h100-80gb", 2304, 8192, 60.0),
+    ("mixtral-8x7b", 4, 8, "h100-80gb", 256, 4096, 30.0),
     ("llama3.1-8b", 16, 8, "h100-80gb", 512, 8192, None),
     ("llama3.1-70b", 64, 8, "h100-80gb", 1024, 8192, None),
 )
@@ -48,10 +52,11 @@ def main() -> None:
     warnings.simplefilter("ignore")
     parser = argparse.ArgumentParser()
     parser.add_argument("--executors", action="store_true", help="compare in-process, pool and Ray plans")
-    parser.add_argument("--only", default="", help="run only the case whose model has this name ('none': no case)")
+    parser.add_argument("--only", default="",
+                        help="run only the cases of these comma-separated models ('none': no case)")
     parser.add_argument("--keep", action="store_true", help="keep the cases of scale.json not run this time")
     args = parser.parse_args()
-    cases = [_case(*c) for c in CASES if not args.only or c[0] == args.only]
+    cases = [_case(*c) for c in CASES if not args.only or c[0] in args.only.split(",")]
     if args.executors:
         cases.append(_executors())
     if args.keep and (RESULTS / "scale.json").exists():
@@ -96,12 +101,26 @@ def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "pricing_tasks": tasks, "phases_s": sim.phases, "iteration_time_s": p.iteration_time_s,
             "mfu": p.mfu, "stages": len(sim.plan.stages), "microbatch_size": sim.plan.microbatch_size,
-            "notes": list(sim.plan.notes)}
+            "notes": list(sim.plan.notes), **_against_baselines(sim.plan)}
     print(f"{case['name']}: {wall:.1f} s wall, {cpu:.1f} s CPU ({main:.1f} main + {workers:.1f} workers; "
           f"{_idle_estimate(main, workers, search_cpu):.1f} s on 2 idle cores), load {load_before:.1f}, {tasks} tasks, "
-          f"phases {({k: round(v, 2) for k, v in sim.phases.items()})}, iteration {p.iteration_time_s:.3f} s",
-          flush=True)
+          f"phases {({k: round(v, 2) for k, v in sim.phases.items()})}, iteration {p.iteration_time_s:.3f} s; "
+          f"best baseline {case['best_baseline']} {case['best_baseline_s']:.3f} s "
+          f"(auto / best {case['auto_over_best_baseline']:.4f}), cost models {case['cost_models']}", flush=True)
     return case
+
+
+def _against_baselines(plan) -> dict:
+    """The auto plan against the fastest baseline: times, their ratio, the cost models used."""
+    priced = [b for b in plan.baselines if b.prediction is not None]
+    fastest = min(priced, key=lambda b: b.prediction.iteration_time_s)
+    auto = plan.prediction.iteration_time_s
+    return {"best_baseline": f"{fastest.name} {fastest.config}", "best_baseline_s": fastest.prediction.iteration_time_s,
+            "auto_over_best_baseline": auto / fastest.prediction.iteration_time_s,
+            "cost_models": sorted({plan.prediction.cost_model} | {b.prediction.cost_model for b in priced}),
+            "time_breakdown_s": plan.metrics_under("time."),
+            "recipe_time_breakdown_s": plan.metrics_under("recipe_time."),
+            "best_recipe": plan.option("best_recipe")}
 
 
 def _idle_estimate(main: float, workers: float, overlapped: float) -> float:

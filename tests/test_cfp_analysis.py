@@ -18,10 +18,11 @@ from meshplan.models.training import block_training_graph
 from meshplan.models.transformer import PRESETS
 
 MESH = LogicalMesh((2, 4), (1e-5, 1e-5), (1e-9, 1e-9))
-# The dots of one layer, grouped as blocks: sibling projections of one input share a block.
+# The dots of one layer, grouped as blocks: sibling projections of one input share a block
+# (LLaMA's up and gate; q, k and v come from one fused projection, as Megatron-LM computes them).
 LAYER_BLOCKS = {
-    "gpt3-125m": [("q", "k", "v"), ("scores",), ("context",), ("out",), ("up",), ("down",)],
-    "llama2-7b": [("q", "k", "v"), ("scores",), ("context",), ("out",), ("up", "gate"), ("down",)],
+    "gpt3-125m": [("qkv",), ("scores",), ("context",), ("out",), ("up",), ("down",)],
+    "llama2-7b": [("qkv",), ("scores",), ("context",), ("out",), ("up", "gate"), ("down",)],
 }
 
 
@@ -76,13 +77,14 @@ def test_repeated_layers_map_to_the_first_and_unique_count_is_constant(model):
 
 def test_norm_before_a_projection_joins_the_block_it_feeds():
     """Layer 1's attention norm follows layer 0's residual add in meshplan's rules, but feeds only
-    layer 1's q, k, v: it belongs to their block, so layer 0 and layer 1 are the same program."""
+    layer 1's fused q, k, v projection: it belongs to its block, so layer 0 and layer 1 are the
+    same program."""
     a = _analysis("gpt3-125m", 2)
     g = a.graph
     by_name = {n.label: n.id for n in g.nodes}
-    qkv1 = a.owner[by_name["layer1.attn.q"]]
+    qkv1 = a.owner[by_name["layer1.attn.qkv"]]
     assert a.owner[by_name["layer1.attn_norm.gain"]] == qkv1
-    norm_ops = [n.id for n in g.nodes if n.layer == 1 and n.kind is OpKind.REDUCE and n.id < by_name["layer1.attn.q"]]
+    norm_ops = [n.id for n in g.nodes if n.layer == 1 and n.kind is OpKind.REDUCE and n.id < by_name["layer1.attn.qkv"]]
     assert norm_ops and {a.owner[v] for v in norm_ops} == {qkv1}
     assert a.owner[by_name["layer0.ffn_residual"]] == a.owner[by_name["layer0.mlp.down"]]
 
@@ -91,22 +93,24 @@ def test_norm_before_a_projection_joins_the_block_it_feeds():
                                             ("gpt3-125m", True), ("llama2-7b", True)])
 def test_strategy_maps_keep_blocks_free_of_communication(model, train):
     """Under every candidate, the cost model finds inside each block no resharding and no
-    collective but partial-sum all-reduces: of its contractions, and in a training step of
-    other reductions where the candidate says so (a bias gradient over a split batch). The JAX
-    twin compiles the forward blocks: test_cfp_lower."""
+    collective but partial-sum all-reduces: of its contractions, and where the candidate says so
+    of other reductions (in a training step a bias gradient over a split batch; an MoE's combine,
+    a scatter-add summing the experts' rows, when the experts are split). The JAX twin compiles
+    the forward blocks: test_cfp_lower."""
     a = _analysis(model, 2, train=train)
     for block in a.blocks:
         cut = extract(a.graph, block.members)
+        scatters = any(cut.graph[v].kind is OpKind.SCATTER_ADD for v in range(len(cut.graph)))
         for k, candidate in enumerate(block.strategies):
             layouts = a.segment_layouts(cut, (block.index,), (k,))
             p = price(cut.graph, layouts, a.mesh, a.options.cost)
-            kinds = (OpKind.DOT, OpKind.REDUCE) if candidate.reduces else (OpKind.DOT,)
+            kinds = (OpKind.DOT, OpKind.REDUCE, OpKind.SCATTER_ADD) if candidate.reduces else (OpKind.DOT,)
             own = [c for v, s in enumerate(layouts) if cut.graph[v].kind in kinds for c in s.collectives]
             assert p.resharding == 0.0, (block.index, candidate.name)
             assert list(p.collectives) == own, (block.index, candidate.name)
             assert all(c.kind.value == "all-reduce" for c in own)
-            assert candidate.communication_free and (train or not candidate.reduces)
-            if not train:
+            assert candidate.communication_free and (train or scatters or not candidate.reduces)
+            if not train and not candidate.reduces:
                 assert ("allreduce" in candidate.name) == bool(own)
 
 
@@ -146,7 +150,7 @@ def test_training_graph_backward_dots_join_their_forward_block():
     forward = [b for b in a.blocks if g[b.lead].layer == 0 and g[b.lead].name.startswith("layer0.")]
     assert len(a.blocks) == len(forward) == 6
     by_name = {n.label: n.id for n in g.nodes}
-    for weight in ("layer0.attn.wq", "layer0.attn.wo", "layer0.mlp.w1", "layer0.mlp.w2"):
+    for weight in ("layer0.attn.wqkv", "layer0.attn.wo", "layer0.mlp.w1", "layer0.mlp.w2"):
         readers = {a.owner[u] for u in g.users(by_name[weight]) if g[u].kind is OpKind.DOT}
         assert len(readers) == 1  # forward dot and the dot of its input gradient
         assert a.owner[by_name[f"grad.{weight}"]] in readers

@@ -142,7 +142,10 @@ def test_a_pricing_task_failing_every_time_is_named_and_a_plan_is_still_made(mon
         data = plan_json(runner)
     named = [n for n in data["notes"] if "sub-mesh 1x2" in n]
     assert named and all("RuntimeError: solver crashed after 2 attempts" in n for n in named)
-    assert all(s["submesh"] != [1, 2] for s in data["stages"])
+    # The stage DP plans without the failed views; a recipe priced apart (the layout search's
+    # layout on the operator graph) may still use that sub-mesh, and its note says so.
+    taken = [n for n in data["notes"] if n.startswith("taken from")]
+    assert taken or all(s["submesh"] != [1, 2] for s in data["stages"])
     assert data["prediction"]["iteration_time_s"] >= reference["prediction"]["iteration_time_s"]
 
 

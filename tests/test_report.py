@@ -267,8 +267,8 @@ def test_simulated_pieces_show_zero_style_optimizer_state(default_plan):
     plan = load_plan(default_plan)
     block = next(p.intra_plan for s in plan.stages for p in s.pieces if p.name == "block")
     layouts = {p.name: p for p in parameter_layouts(block)}
-    wq = next(p for name, p in layouts.items() if name.endswith("attn.wq"))
-    moments = [p for name, p in layouts.items() if name.endswith("attn.wq.adam_m")]
+    wq = next(p for name, p in layouts.items() if name.endswith("attn.wqkv"))
+    moments = [p for name, p in layouts.items() if name.endswith("attn.wqkv.adam_m")]
     assert wq.role == "weight" and moments[0].role == "optimizer" and moments[0].of_weight == wq.name
     assert stage_parallelism(block).data_axes  # micro-batches are split over the batch axis
 
@@ -319,8 +319,8 @@ def test_partition_specs_of_the_default_plan_follow_the_layers(default_plan, tmp
         assert layers == set(range(stage.first_layer, stage.last_layer + 1))
         every_layer |= layers
         block = next(p.intra_plan for p in stage.pieces if p.name == "block")
-        wq = next(c for c in block.nodes if c.name.endswith("attn.wq"))
-        entry = exported["specs"][f"layer{stage.first_layer}"]["attn"]["wq"]
+        wq = next(c for c in block.nodes if c.name.endswith("attn.wqkv"))
+        entry = exported["specs"][f"layer{stage.first_layer}"]["attn"]["wqkv"]
         assert is_spec(entry) and tuple(entry) == tuple(partition_spec(wq.output)) + (None,) * (
             wq.output.rank - len(partition_spec(wq.output)))
         assert "adam_m" in exported["specs"]["opt_state"]

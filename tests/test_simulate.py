@@ -130,6 +130,18 @@ def test_simulate_command_json(tmp_path):
     assert Plan.from_dict(data).to_dict() == data  # one schema-versioned Plan, baselines inside
     assert data["prediction"]["iteration_time_s"] > 0 and data["source"] == "simulate"
     assert {b["name"] for b in data["baselines"]} == {"megatron", "data-parallel", "zero-2", "layout-search"}
+    # One cost model prices the auto plan and every baseline, and the auto plan is never slower.
+    auto = data["prediction"]
+    priced = [b["prediction"] for b in data["baselines"] if b["prediction"]]
+    assert priced and {p["cost_model"] for p in priced} == {auto["cost_model"]} and auto["cost_model"]
+    assert all(auto["iteration_time_s"] <= p["iteration_time_s"] * (1 + 1e-9) for p in priced)
+    # Its time breakdown beside the fastest recipe's, part by part, each adding up to its time.
+    own = {k: v for k, v in data["metrics"].items() if k.startswith("time.")}
+    recipe = {k: v for k, v in data["metrics"].items() if k.startswith("recipe_time.")}
+    assert len(own) == len(recipe) == 7 and all(v >= -1e-9 for v in own.values())
+    assert sum(own.values()) == pytest.approx(auto["iteration_time_s"], rel=1e-6)
+    fastest = min(p["iteration_time_s"] for p in priced)
+    assert sum(recipe.values()) == pytest.approx(fastest, rel=0.01)
 
 
 def test_reduce_scatter_widens_the_piece_plans():
@@ -155,10 +167,10 @@ def test_reduce_scatter_widens_the_piece_plans():
 
 
 def test_any_global_batch_plans_with_idle_devices_reported():
-    """`meshplan simulate --global-batch 7` (LLaMA2-13B on 50 x 4 V100-32GB): the stage DP over
-    all 200 devices finds no plan for 7 sequences; the fastest fitting layout is the plan, its
-    idle devices named."""
-    result = run("--global-batch", "7", "--workers", "1", "--no-baselines", "--json")
+    """`meshplan simulate --global-batch 1` (LLaMA2-13B on 50 x 4 V100-32GB): the stage DP over
+    all 200 devices finds no plan for one sequence (40 layers cannot make 200 one-device
+    stages); the fastest fitting layout is the plan, its idle devices named."""
+    result = run("--global-batch", "1", "--workers", "1", "--no-baselines", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["label"] == "auto" and data["prediction"]["iteration_time_s"] > 0

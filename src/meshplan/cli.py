@@ -236,6 +236,9 @@ def simulate(
         help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
              "example below).")] = "",
     efficiency_file: Annotated[str, typer.Option(help="Kernel efficiencies (JSON) for --layout pricing.")] = "",
+    pricer: Annotated[str, typer.Option(help="How --layout is priced: formula (closed form) or graph (fixed "
+                                             "per-op strategies on the operator graph: the auto planner's "
+                                             "pricer).")] = "formula",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
     html: Annotated[str, typer.Option(help="Also write the HTML report (charts, tables) to this file.")] = "",
@@ -262,7 +265,7 @@ def simulate(
     if layout:
         from meshplan.report.simulation_text import print_layout
 
-        plan = _price_layout(job, machines, layout, efficiency_file)
+        plan = _price_layout(job, machines, layout, efficiency_file, pricer)
         data, show = plan.to_dict(), print_layout
     else:
         runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
@@ -361,20 +364,27 @@ def diff(
         console.print(f"... {len(changes) - len(shown)} more (--limit 0 shows all)", highlight=False)
 
 
-def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_file: str) -> Plan:
-    """`simulate --layout`: the given layout priced in closed form, next to the fastest
-    layout the search finds for the same job."""
+PRICERS = ("formula", "graph")
+
+
+def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_file: str, pricer: str) -> Plan:
+    """`simulate --layout`: the given layout priced in closed form or on the operator graph, next
+    to the fastest layout the search finds for the same job (priced by the same pricer)."""
     from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
     from meshplan.simulator.analytic import check_layout, price_layout, search_layouts
+    from meshplan.simulator.graph_pricing import price_layout_graph
     from meshplan.simulator.layout import parse_layout
     from meshplan.simulator.simulate import layout_plan
 
+    if pricer not in PRICERS:
+        raise MeshplanError(f"--pricer {pricer!r} is not a pricer; use one of {', '.join(PRICERS)}")
     chosen = parse_layout(text)
     why = check_layout(job, machines, chosen)
     if why:
         raise MeshplanError(f"{why}; change --layout")
     efficiency = KernelEfficiency.from_file(efficiency_file) if efficiency_file else DEFAULT_EFFICIENCY
-    priced = price_layout(job, machines, chosen, efficiency)
+    price = price_layout_graph if pricer == "graph" else price_layout
+    priced = price(job, machines, chosen, efficiency)
     search = search_layouts(job, machines, efficiency, fp8=chosen.fp8)
     plan = layout_plan(priced, job, machines)
     if search.best is not None:
@@ -382,8 +392,9 @@ def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_fil
 
         from meshplan.plan import BaselineSummary
 
-        auto = layout_plan(search.best, job, machines, "layout-search")
-        plan = replace(plan, baselines=(BaselineSummary("layout-search", search.best.layout.text(), auto.prediction),))
+        best = search.best if pricer == "formula" else price(job, machines, search.best.layout, efficiency)
+        auto = layout_plan(best, job, machines, "layout-search")
+        plan = replace(plan, baselines=(BaselineSummary("layout-search", best.layout.text(), auto.prediction),))
     return plan
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from meshplan.errors import PlanValidationError
 from meshplan.intra.plan import IntraPlan
 
-SCHEMA_VERSION = 4  # 4: stage pieces, forward/compute/communication seconds
+SCHEMA_VERSION = 5  # 4: stage pieces, forward/compute/communication seconds; 5: Prediction.cost_model
 SOURCES = ("simulate", "intra", "parallelize", "pipeshard", "cfp")
 
 
@@ -88,7 +88,11 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Predicted performance of one iteration (fields a planner could not predict are None)."""
+    """Predicted performance of one iteration (fields a planner could not predict are None).
+
+    `cost_model` names the pricer and its version ("graph/1": fixed or chosen per-op strategies
+    on the operator graph; "formula/2": the closed form of a layout); predictions are comparable
+    when it is equal."""
 
     iteration_time_s: float
     pipeline_time_s: float
@@ -97,6 +101,7 @@ class Prediction:
     tflops_per_device: float | None = None
     mfu: float | None = None
     peak_memory_bytes: float | None = None
+    cost_model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

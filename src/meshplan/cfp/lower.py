@@ -153,10 +153,24 @@ def _take_index(shape: tuple[int, ...], indices: Any, axis: int, batch_dims: int
     return (*index, *[slice(None)] * (len(shape) - axis - 1))
 
 
+def _batched_numbers(operand_rank: int, indices_rank: int, axis: int) -> dict[str, tuple[int, ...]]:
+    """Gather/scatter dimension numbers of a pick along `axis` whose `axis` leading dims are batch
+    dims of both sides (`operand_batching_dims`: XLA's partitioner then keeps a batch split local)."""
+    batch = tuple(range(axis))
+    return {"window": tuple(range(indices_rank, indices_rank + operand_rank - axis - 1)), "collapsed": (axis,),
+            "to_operand": (axis,), "batch": batch}
+
+
 def _gather(node: Node, args: list) -> Any:
     operand, indices = args
     axis, batch_dims, fill = node.attr("axis"), node.attr("batch_dims"), node.attr("fill_value")
     size = operand.shape[axis]
+    if 0 < batch_dims == axis and fill is None:
+        n = _batched_numbers(operand.ndim, indices.ndim, axis)
+        numbers = lax.GatherDimensionNumbers(n["window"], n["collapsed"], n["to_operand"], n["batch"], n["batch"])
+        sizes = tuple(1 if d <= axis else operand.shape[d] for d in range(operand.ndim))
+        return lax.gather(operand, jnp.clip(indices, 0, size - 1)[..., None], numbers, sizes,
+                          mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     picked = operand[_take_index(operand.shape, jnp.clip(indices, 0, size - 1), axis, batch_dims)]
     if fill is None:
         return picked
@@ -167,6 +181,12 @@ def _gather(node: Node, args: list) -> Any:
 
 def _scatter_add(node: Node, args: list) -> Any:
     indices, updates = args
+    axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    if 0 < batch_dims == axis:
+        n = _batched_numbers(len(node.shape), indices.ndim, axis)
+        numbers = lax.ScatterDimensionNumbers(n["window"], n["collapsed"], n["to_operand"], n["batch"], n["batch"])
+        return lax.scatter_add(jnp.zeros(node.shape, updates.dtype), indices[..., None], updates, numbers,
+                               mode=lax.GatherScatterMode.FILL_OR_DROP)
     index = _take_index(node.shape, indices, node.attr("axis"), node.attr("batch_dims"))
     return jnp.zeros(node.shape, updates.dtype).at[index].add(updates, mode="drop")
 
@@ -185,4 +205,13 @@ _LOWERINGS: dict[OpKind, Callable[[Node, list], Any]] = {
     OpKind.DYNAMIC_SLICE: lambda n, a: lax.dynamic_slice(a[0], a[1:], n.shape),
     OpKind.GATHER: _gather,
     OpKind.SCATTER_ADD: _scatter_add,
+    OpKind.TOP_K: lambda n, a: _top_k(n, a[0]),
 }
+
+
+def _top_k(node: Node, x: Any) -> Any:
+    """values (output 0) or indices (output 1) of the k largest entries along the node's dim."""
+    moved = jnp.moveaxis(x, node.attr("dim"), -1)
+    values, indices = lax.top_k(moved, node.attr("k"))
+    picked = values if node.attr("output") == 0 else indices.astype(jax_dtype(node.dtype))
+    return jnp.moveaxis(picked, -1, node.attr("dim"))

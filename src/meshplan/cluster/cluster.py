@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from meshplan.cluster.devices import DeviceSpec
-from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cluster.mesh import LogicalMesh, MeshTopology
 from meshplan.errors import MeshError
 
 
@@ -102,7 +102,14 @@ class Cluster:
         alpha = tuple(d.intra_latency if x else d.inter_latency for x in intra)
         beta = tuple(d.intra_beta if x else d.inter_beta for x in intra)
         memory = None if d.memory_bytes == math.inf else d.memory_bytes
-        return LogicalMesh(view, alpha, beta, memory_per_device=memory, device_ids=ids)
+        return LogicalMesh(view, alpha, beta, memory_per_device=memory, device_ids=ids, topology=self.topology)
+
+    @property
+    def topology(self) -> MeshTopology:
+        """The nodes and links every view of this cluster sits on (node-aware collective costs)."""
+        d = self.device
+        return MeshTopology(self.devices_per_node, d.intra_bandwidth, d.intra_latency, d.inter_bandwidth,
+                            d.inter_latency)
 
     def _in_one_node(self, groups: list[tuple[int, ...]]) -> bool:
         return all(len({i // self.devices_per_node for i in g}) == 1 for g in groups)

@@ -5,9 +5,30 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class MeshTopology:
+    """Where a mesh's devices sit: nodes of `devices_per_node` consecutive device ids, NVLink-class
+    links inside a node and each device's share of the node's NICs between nodes (nominal
+    figures of the device; the cost model applies the sustained fraction).
+
+    Attributes:
+        devices_per_node: devices per node; device id i sits on node i // devices_per_node.
+        intra_bandwidth, intra_latency: bytes/s per device per direction and seconds per step
+            inside a node.
+        inter_bandwidth, inter_latency: bytes/s of one device's NIC share and seconds per step
+            between nodes.
+    """
+
+    devices_per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +41,8 @@ class LogicalMesh:
         beta: time per byte along each axis (seconds/byte, or cost units).
         memory_per_device: bytes each device holds; None means unlimited.
         device_ids: flat device ids in row-major grid order.
+        topology: the nodes the devices sit on and their links (None: the alpha-beta of each
+            axis is all there is, as in Alpa's unit setting and the runtime's measured costs).
     """
 
     shape: tuple[int, ...]
@@ -27,8 +50,11 @@ class LogicalMesh:
     beta: tuple[float, ...]
     memory_per_device: float | None = None
     device_ids: tuple[int, ...] = ()
+    topology: MeshTopology | None = None
+    _locality: dict[tuple[int, ...], int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_locality", {})
         shape = tuple(int(s) for s in self.shape)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
@@ -69,7 +95,31 @@ class LogicalMesh:
         return math.prod(self.shape[a] for a in axes)
 
     def with_memory(self, memory_per_device: float | None) -> LogicalMesh:
-        return LogicalMesh(self.shape, self.alpha, self.beta, memory_per_device, self.device_ids)
+        return LogicalMesh(self.shape, self.alpha, self.beta, memory_per_device, self.device_ids, self.topology)
+
+    def group_locality(self, axes: Sequence[int]) -> tuple[int, int]:
+        """(ranks, ranks sharing a node) of the groups a collective over `axes` runs in: the
+        group of the first device (the views here are regular, every group alike). Without a
+        topology every group counts as one node."""
+        size = self.axis_size(tuple(axes)) if axes else 1
+        if self.topology is None or size <= 1:
+            return size, size
+        key = tuple(sorted(axes))
+        local = self._locality.get(key)
+        if local is None:  # collectives over the same axes are priced many times per plan
+            local = self._locality[key] = _local_ranks(self.shape, self.device_ids, key,
+                                                       self.topology.devices_per_node)
+        return size, local
+
+
+def _local_ranks(shape: tuple[int, ...], ids: tuple[int, ...], axes: tuple[int, ...], per_node: int) -> int:
+    """The most ranks of the first device's group over `axes` that share one node."""
+    strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+    offsets = [0]
+    for a in axes:
+        offsets = [o + i * strides[a] for o in offsets for i in range(shape[a])]
+    nodes = [ids[o] // per_node for o in offsets]
+    return max(nodes.count(n) for n in set(nodes))
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
-"""Alpha-beta costs of collectives over the axes of a logical mesh."""
+"""Costs of collectives over the axes of a logical mesh: node-aware (meshplan.cost.links) on a mesh
+that knows its nodes, alpha-beta per axis otherwise (Alpa's unit setting, measured costs)."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Sequence
@@ -10,14 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshplan.cluster.mesh import LogicalMesh
-
-
-class CollectiveKind(enum.Enum):
-    ALL_REDUCE = "all-reduce"
-    ALL_GATHER = "all-gather"
-    REDUCE_SCATTER = "reduce-scatter"
-    ALL_TO_ALL = "all-to-all"
-    COLLECTIVE_PERMUTE = "collective-permute"
+from meshplan.cost.links import CollectiveKind, Group, Links, collective_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +69,20 @@ class CollectiveCosts:
         tie_constants: add TIE_CONSTANT per collective (Alpa's playground).
         alpa_all_to_all: use Alpa's scaled-down all-to-all term instead of (n-1)/n.
         forced: a fixed cost per collective kind, whatever the bytes (Alpa's force_*_cost).
+        link_efficiency: on a mesh that knows its nodes (`LogicalMesh.topology`), price each
+            collective as one NCCL communicator over its ranks with the node-aware link model
+            (meshplan.cost.links) at this fraction of the nominal bandwidths; None keeps the
+            per-axis alpha-beta terms.
+        hidden: (axes, share) pairs: that share of every collective over exactly those axes runs
+            under compute (tensor-parallel communication overlapped with GEMMs, `tpo=on`).
     """
 
     truncate: bool = False
     tie_constants: bool = False
     alpa_all_to_all: bool = False
     forced: tuple[tuple[CollectiveKind, float], ...] = ()
+    link_efficiency: float | None = None
+    hidden: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     def cost(self, kind: CollectiveKind, mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
         """Cost of one collective of `kind` over mesh `axes` with `nbytes` per device.
@@ -96,6 +97,11 @@ class CollectiveCosts:
         axes = tuple(a for a in axes if mesh.shape[a] > 1)
         if not axes:
             return 0.0
+        if self.link_efficiency is not None and mesh.topology is not None:
+            links = Links.of(mesh.topology, self.link_efficiency)
+            seconds = collective_seconds(kind, nbytes, Group(*mesh.group_locality(axes)), links)
+            share = next((h for over, h in self.hidden if over == axes), 0.0)
+            return seconds * (1 - share)
         if kind is CollectiveKind.COLLECTIVE_PERMUTE:  # one send of the shard, over the slowest link it crosses
             total = max(mesh.alpha[a] + mesh.beta[a] * nbytes for a in axes)
             total = math.floor(total) if self.truncate else total

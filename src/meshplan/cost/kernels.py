@@ -19,7 +19,17 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from meshplan.cluster.devices import DeviceSpec
 from meshplan.errors import OptionsError
+
+# The backward of fused (flash) attention recomputes the score product before its own two
+# products per forward one: 2.5 forward products in all, 1.25 per backward product.
+FLASH_BACKWARD_RECOMPUTE = 1.25
+# Mixed-precision Adam keeps an fp32 master copy and two fp32 moments per parameter.
+ADAM_STATE_BYTES = 12
+# Device memory a training step holds beyond its tensors: cuBLAS workspaces, NCCL buffers,
+# allocator slack.
+WORKSPACE_BYTES = 1.0 * 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +102,58 @@ class KernelEfficiency:
 
 
 DEFAULT_EFFICIENCY = KernelEfficiency()
+
+
+def gemm_seconds(device: DeviceSpec, efficiency: KernelEfficiency, m: float, n: float, k: float,
+                 batch: float = 1.0, fp8: bool = False) -> float:
+    """`batch` (m x k) @ (k x n) GEMMs at the dtype's peak times the GEMM efficiency curve."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    peak = device.fp8_flops if fp8 else device.peak_flops
+    return batch * 2 * m * n * k / (peak * efficiency.gemm(m, n, k, fp8))
+
+
+def fused_attention_seconds(device: DeviceSpec, efficiency: KernelEfficiency, flops: float, causal: bool,
+                            backward: bool = False) -> float:
+    """Fused (flash) attention over the FLOPs of its score and context products: causal kernels
+    skip the masked half; the backward recomputes the scores (FLASH_BACKWARD_RECOMPUTE)."""
+    share = (0.5 if causal else 1.0) * (FLASH_BACKWARD_RECOMPUTE if backward else 1.0)
+    return flops * share / (device.peak_flops * efficiency.attention)
+
+
+def memory_seconds(device: DeviceSpec, efficiency: KernelEfficiency, nbytes: float) -> float:
+    """A memory-bound kernel moving `nbytes` through HBM (read and written together)."""
+    bandwidth = device.memory_bandwidth or device.peak_flops / 100.0  # unknown HBM: a typical ratio
+    return nbytes / (bandwidth * efficiency.memory)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCosts:
+    """The kernel models of one device, as the op-level cost model calls them.
+
+    Attributes:
+        device: the device (peak FLOP/s, fp8 FLOP/s, HBM bandwidth).
+        efficiency: the fractions of peak (one fixed set: DEFAULT_EFFICIENCY).
+        flash: attention cores run as fused (flash) attention kernels.
+        fp8: GEMMs run in fp8 (attention and element-wise kernels stay in the training dtype).
+    """
+
+    device: DeviceSpec
+    efficiency: KernelEfficiency = DEFAULT_EFFICIENCY
+    flash: bool = False
+    fp8: bool = False
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        return gemm_seconds(self.device, self.efficiency, m, n, k, batch, self.fp8)
+
+    def attention(self, flops: float, causal: bool, backward: bool) -> float:
+        return fused_attention_seconds(self.device, self.efficiency, flops, causal, backward)
+
+    def memory(self, nbytes: float) -> float:
+        return memory_seconds(self.device, self.efficiency, nbytes)
+
+
+def optimizer_step_bytes(weight_bytes: float, gradient_bytes: float, state_bytes: float = ADAM_STATE_BYTES) -> float:
+    """HBM bytes one parameter's optimizer step moves: it reads the gradient and the state (master
+    copy and moments) and writes the state and the new weight."""
+    return gradient_bytes + 2 * state_bytes + weight_bytes

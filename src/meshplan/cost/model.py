@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from meshplan.cost.collectives import CollectiveCosts, CollectiveKind
-from meshplan.cost.kernels import KernelEfficiency
+from meshplan.cost.kernels import KernelCosts
 
 
 class ReshardingRule(enum.Enum):
@@ -46,9 +46,13 @@ class CostModel:
             included, lives from its definition to its last use.
         replicated_parameter_cost: cost added to a parameter's replicated strategy (Alpa's
             playground charges 2 units, so that ties break towards sharded parameters).
-        gemm: price contractions from their local (m, n, k) with this efficiency curve at
-            `gemm_peak` FLOP/s, instead of at `flops_per_second` (None: one rate for all ops).
-        gemm_peak: the device's peak FLOP/s for the curve.
+        kernels: the device's kernel models (meshplan.cost.kernels): contractions on the GEMM
+            efficiency curve, attention cores as fused attention, every other op as a
+            memory-bound kernel by the bytes it moves under kernel fusion (meshplan.cost.fusion),
+            values that are never written hold no memory. None: every op at
+            `flops_per_second`, every value held (Alpa's model, the runtime's measured costs).
+        gradient_bytes: bytes per element of accumulated gradients, held and reduced (4: fp32
+            main gradients, Megatron's default); None: the gradient's own dtype.
     """
 
     collectives: CollectiveCosts = field(default_factory=CollectiveCosts)
@@ -59,8 +63,8 @@ class CostModel:
     activation_price: float = 0.0
     parameters_held: bool = True
     replicated_parameter_cost: float = 0.0
-    gemm: KernelEfficiency | None = None
-    gemm_peak: float | None = None
+    kernels: KernelCosts | None = None
+    gradient_bytes: int | None = None
 
     @property
     def compute_on(self) -> bool:
@@ -69,13 +73,13 @@ class CostModel:
     def compute_cost(self, flops: float) -> float:
         return flops / self.flops_per_second if self.flops_per_second else 0.0
 
-    def contraction_cost(self, flops: float, m: float, n: float, k: float) -> float:
-        """Seconds of a local (m x k) @ (k x n) contraction (batch dims folded into m)."""
+    def contraction_cost(self, flops: float, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds of `batch` local (m x k) @ (k x n) products (`flops` in all)."""
         if not self.flops_per_second:
             return 0.0
-        if self.gemm is None or not self.gemm_peak:
+        if self.kernels is None:
             return self.compute_cost(flops)
-        return flops / (self.gemm_peak * self.gemm.gemm(m, n, k))
+        return self.kernels.gemm(m, n, k, batch)
 
     @staticmethod
     def alpa_unit(forced: dict[CollectiveKind, float] | None = None) -> CostModel:

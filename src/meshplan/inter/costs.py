@@ -11,8 +11,10 @@ stages; it never sees a model or a program.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
+from meshplan.cost.fusion import BOUNDARY
 from meshplan.intra.plan import IntraPlan
 from meshplan.ir import Graph, OpKind
 from meshplan.ir.counting import node_flops
@@ -36,6 +38,12 @@ class LayerCost:
         peak_activation_bytes: the activations of the largest piece of the layer (a layer may
             stack pieces, e.g. the embedding and the first block), live at once when the layer
             is recomputed; -1 means `activation_bytes`.
+        attention_forward_time: the forward time of the attention cores (paid again under
+            selective recomputation).
+        attention_activation_bytes: the activations only the attention cores keep (scores,
+            probabilities; what selective recomputation drops).
+        iteration_collectives: (kind, ranks, ranks sharing a node, bytes) of the collectives in
+            `sync_time`, so a stage can run them in buckets (inter.stages.IterationComm).
     """
 
     time: float
@@ -48,6 +56,9 @@ class LayerCost:
     transient_bytes: float
     flops: float
     peak_activation_bytes: float = -1.0
+    attention_forward_time: float = 0.0
+    attention_activation_bytes: float = 0.0
+    iteration_collectives: tuple[tuple[str, int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.peak_activation_bytes < 0:
@@ -56,7 +67,7 @@ class LayerCost:
     def stacked(self, other: LayerCost) -> LayerCost:
         """Two pieces run one after the other as one layer: times and held bytes add up; the
         working memory and the recomputed activations are those of the larger piece."""
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}  # tuples join
         summed["transient_bytes"] = max(self.transient_bytes, other.transient_bytes)
         summed["peak_activation_bytes"] = max(self.peak_activation_bytes, other.peak_activation_bytes)
         return LayerCost(**summed)
@@ -124,6 +135,12 @@ class TrainingParts:
         inputs: parameters that arrive per micro-batch (activations, cotangents, tokens): not held.
         recompute_inputs: the inputs kept when the layer is recomputed.
         held: nodes held all along besides the non-input parameters (e.g. accumulated gradients).
+        saved: the forward values the backward pass keeps (a pricer that knows how the graph
+            runs as fused kernels gives them); empty: every forward value a backward node reads.
+        attention_saved: the part of `saved` only attention cores need (dropped when they are
+            recomputed: selective recomputation).
+        attention: the forward nodes of attention cores (run again under selective recomputation).
+        fp8_saved: saved values kept in fp8 (GEMM inputs when GEMMs run in fp8).
     """
 
     forward_end: int
@@ -132,6 +149,10 @@ class TrainingParts:
     inputs: tuple[int, ...]
     recompute_inputs: tuple[int, ...]
     held: tuple[int, ...]
+    saved: tuple[int, ...] = ()
+    attention_saved: tuple[int, ...] = ()
+    attention: tuple[int, ...] = ()
+    fp8_saved: tuple[int, ...] = ()
 
 
 def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbatches: int) -> LayerCost:
@@ -139,34 +160,84 @@ def layer_cost(graph: Graph, plan: IntraPlan, parts: TrainingParts, num_microbat
 
     Nodes tagged `accumulated` (gradients summed over micro-batches) count their own collectives
     as once-per-iteration sync; nodes tagged `per_iteration` (the optimizer step) were priced
-    1/B per micro-batch by the plan and count once per iteration.
+    1/B per micro-batch by the plan and count once per iteration: their kernels as the update,
+    their collectives and resharding (the gather of new weights) as sync.
     """
-    reshard = [0.0] * len(graph)
-    for r in plan.reshardings:
-        reshard[r.consumer_id] += sum(c.cost for c in r.collectives)
+    reshard = resharding_seconds(graph, plan, parts.forward_end)
     forward = backward = sync = update = 0.0
     for chosen in plan.nodes:
         node = graph[chosen.node]
-        own = sum(c.cost for c in chosen.collectives)
-        if node.attr("accumulated"):
-            sync += own
+        own = 0.0 if node.attr("kernel") == BOUNDARY else sum(c.cost for c in chosen.collectives)
+        if node.attr("accumulated") or chosen.node > parts.backward_end:
+            sync += own + (reshard[chosen.node] if chosen.node > parts.backward_end else 0.0)
             own = 0.0
-        compute = chosen.compute * (num_microbatches if node.attr("per_iteration") else 1)
-        cost = compute + own + reshard[chosen.node]
+        if chosen.node > parts.backward_end:
+            update += chosen.compute * num_microbatches
+            continue
+        cost = chosen.compute + own + reshard[chosen.node]
         if chosen.node <= parts.forward_end:
             forward += cost
-        elif chosen.node <= parts.backward_end:
-            backward += cost
         else:
-            update += cost
+            backward += cost
     inputs = set(parts.inputs)
     static = sum(plan.nodes[n.id].memory for n in graph.parameters() if n.id not in inputs)
     static += sum(plan.nodes[v].memory for v in parts.held)
-    activation = sum(plan.nodes[v].memory for v in _saved_activations(graph, parts))
+    activation = _saved_bytes(graph, plan, parts, parts.saved or _saved_activations(graph, parts))
     input_bytes = sum(plan.nodes[v].memory for v in parts.recompute_inputs)
     transient = max(0.0, plan.peak_memory - static - activation)
     flops = sum(node_flops(graph, n) for n in graph.nodes[: parts.backward_end + 1])
-    return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops)
+    attention_bytes = _saved_bytes(graph, plan, parts, parts.attention_saved)
+    attention_time = sum(_node_time(plan, reshard, v) for v in parts.attention)
+    return LayerCost(forward + backward, forward, sync, update, static, activation, input_bytes, transient, flops,
+                     attention_forward_time=attention_time, attention_activation_bytes=attention_bytes,
+                     iteration_collectives=iteration_collectives(graph, plan, parts))
+
+
+def iteration_collectives(graph: Graph, plan: IntraPlan, parts: TrainingParts) -> tuple:
+    """(kind, ranks, ranks sharing a node, bytes) of every once-per-iteration collective of the
+    plan: accumulated gradients' reductions, the optimizer step's collectives and resharding."""
+    found = [c for chosen in plan.nodes if graph[chosen.node].attr("accumulated") or chosen.node > parts.backward_end
+             for c in chosen.collectives]
+    moved = {(r.producer, r.src.dims, r.dst.dims): r for r in plan.reshardings if r.consumer_id > parts.backward_end}
+    found += [c for r in moved.values() for c in r.collectives]
+    return tuple((c.kind.value, *plan.mesh.group_locality(c.axes), c.nbytes) for c in found)
+
+
+def resharding_seconds(graph: Graph, plan: IntraPlan, forward_end: int | None = None) -> list[float]:
+    """Seconds of resharding charged to each consumer node, as the step runs it: a value moved to
+    one layout is moved once however many consumers need it there, and (given where the forward
+    pass ends) a forward value re-laid out for the backward pass (a saved activation gathered
+    again, as Megatron's sequence parallelism does for weight gradients) is fetched ahead, under
+    the backward pass's compute."""
+    seconds = [0.0] * len(graph)
+    seen: set[tuple] = set()
+    for r in plan.reshardings:
+        consumer = graph[r.consumer_id]
+        producer = next((o for o in consumer.operands if graph[o].label == r.producer), r.consumer_id)
+        key = (producer, r.src.dims, r.dst.dims)
+        if key in seen:
+            continue
+        seen.add(key)
+        if forward_end is not None and producer <= forward_end < r.consumer_id:
+            continue
+        seconds[r.consumer_id] += sum(c.cost for c in r.collectives)
+    return seconds
+
+
+def _node_time(plan: IntraPlan, reshard: list[float], node: int) -> float:
+    chosen = plan.nodes[node]
+    return chosen.compute + sum(c.cost for c in chosen.collectives) + reshard[node]
+
+
+def _saved_bytes(graph: Graph, plan: IntraPlan, parts: TrainingParts, values) -> float:
+    """Bytes per device of the saved `values`, each its local shard (a view kept for the
+    backward pass holds its own part; fp8 copies at one byte per element)."""
+    fp8 = set(parts.fp8_saved)
+    total = 0.0
+    for v in values:
+        elements = math.prod(plan.nodes[v].output.shard_shape(graph[v].shape, plan.mesh))
+        total += elements * (1 if v in fp8 else graph[v].dtype.itemsize)
+    return total
 
 
 def _saved_activations(graph: Graph, parts: TrainingParts) -> list[int]:

@@ -134,6 +134,16 @@ def pipeline_latency(latencies: Sequence[float], num_microbatches: int, chunks: 
     return _fill_and_drain(latencies, num_microbatches, chunks)
 
 
+def megatron_inflight(num_stages: int, stage: int, chunks: int = 1) -> float:
+    """Micro-batches of activations stage `stage` holds at its peak as Megatron-LM schedules
+    them: 1F1B warms up with num_stages - stage; interleaved 1F1B with
+    ((num_stages - stage - 1) * 2 + (chunks - 1) * num_stages + 1) chunks of 1/chunks of the
+    stage's layers, i.e. num_stages + (num_stages - 1) / chunks on the first stage."""
+    if chunks == 1:
+        return float(num_stages - stage)
+    return ((num_stages - stage - 1) * 2 + (chunks - 1) * num_stages + 1) / chunks
+
+
 def _dependencies(event: Event, num_stages: int) -> tuple[Event, ...]:
     if event.phase is Phase.FORWARD:
         return (Event(event.stage - 1, event.micro_batch, Phase.FORWARD),) if event.stage else ()

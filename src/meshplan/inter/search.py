@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.links import Links
 from meshplan.errors import OptionsError
 from meshplan.inter.costs import LayerCosts, ViewCosts
 from meshplan.inter.placement import place_submeshes
@@ -21,8 +22,10 @@ from meshplan.inter.schedules import get_schedule
 from meshplan.inter.stage_dp import plan_stages
 from meshplan.inter.stages import (
     RECOMPUTE_CHOICES,
+    IterationComm,
     StageEstimate,
     estimate_stage,
+    handoff_in_node,
     handoff_time,
     latency_table,
     stage_key,
@@ -42,9 +45,16 @@ class InterOptions:
         chunks: model chunks per device to plan for under 1F1B: 1 is plain 1F1B, v > 1 the
             interleaved schedule (virtual stages, Narayanan et al. 2021: the fill and drain shrink
             v times, each stage hands off v times per micro-batch); the fastest is kept.
-        node_local_sends: place consecutive partial-node stages in one node where they fit and
-            price their hand-offs on the intra-node link (the DP itself prices every hand-off on
-            the inter-node link, so the placed plan is never slower than the DP's).
+        node_local_sends: the DP prices the hand-off of a stage on part of a node on the
+            intra-node link and the placement puts consecutive partial-node stages in one node
+            where they fit; every hand-off of the placed plan is then priced on the link it
+            crosses. Off: the DP prices every hand-off on the inter-node link.
+        link_efficiency: fraction of the links' nominal bandwidth hand-offs sustain (the
+            simulator's KernelEfficiency.link; 1 for measured costs).
+        bucket_collectives: run each stage's once-per-iteration collectives in buckets (one per
+            kind and group) on the cluster's links (inter.stages.IterationComm).
+        overlap_tail: overlap the once-per-iteration communication with the last micro-batch's
+            backward pass, exposing at least this share of it (None: not overlapped).
     """
 
     capacity_bytes: float = math.inf
@@ -53,6 +63,9 @@ class InterOptions:
     relative_bucket: float = 0.0
     chunks: tuple[int, ...] = (1,)
     node_local_sends: bool = False
+    link_efficiency: float = 1.0
+    bucket_collectives: bool = False
+    overlap_tail: float | None = None
 
     def __post_init__(self) -> None:
         get_schedule(self.schedule)
@@ -124,7 +137,8 @@ def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[in
     schedule = get_schedule(options.schedule)
     per_shape = [costs.views_of(shape) for shape in shapes]
     table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
-                          options.recompute, sends=chunks)
+                          options.recompute, chunks, options.node_local_sends, options.link_efficiency,
+                          options.overlap_tail)
     sizes = [n * m for n, m in shapes]
     found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket)
     if found is None:
@@ -139,27 +153,30 @@ def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[in
                                  len(found.stages) - j, num_microbatches, options, chunks)
         stages.append(replace(estimate, devices=cluster.submesh_ids(shapes[slot.submesh], origin)))
     if options.node_local_sends:
-        stages = _node_local_sends(costs, cluster, stages, chunks)
+        stages = _placed_sends(costs, cluster, stages, chunks, options.link_efficiency)
     name = options.schedule if chunks == 1 else "interleaved-1f1b"
     return InterPlan(tuple(stages), num_microbatches, name, chunks)
 
 
-def _node_local_sends(costs: LayerCosts, cluster: Cluster, stages: list[StageEstimate],
-                      chunks: int) -> list[StageEstimate]:
-    """Re-price the hand-offs between consecutive stages placed in one node on its own link."""
+def _placed_sends(costs: LayerCosts, cluster: Cluster, stages: list[StageEstimate], chunks: int,
+                  link_efficiency: float) -> list[StageEstimate]:
+    """Re-price every hand-off on the link it crosses once the stages are placed: inside a node
+    when both stages sit in one, across nodes otherwise (the DP assumed `handoff_in_node`)."""
     per_node = cluster.devices_per_node
     repriced = []
-    for j, stage in enumerate(stages):
-        following = stages[j + 1] if j + 1 < len(stages) else None
-        nodes = {i // per_node for i in stage.devices} | ({i // per_node for i in following.devices}
-                                                         if following else set())
-        if following is not None and len(nodes) == 1:
-            view = ViewCosts(stage.submesh, stage.view, ())
-            saved = chunks * (handoff_time(costs, view, stage.last, cluster)
-                              - handoff_time(costs, view, stage.last, cluster, in_node=True))
-            stage = replace(stage, latency=stage.latency - saved)
-        repriced.append(stage)
-    return repriced
+    for j, stage in enumerate(stages[:-1]):
+        nodes = {i // per_node for i in (*stage.devices, *stages[j + 1].devices)}
+        view = ViewCosts(stage.submesh, stage.view, ())
+        priced = handoff_time(costs, view, stage.last, cluster, handoff_in_node(view, cluster, True), link_efficiency)
+        actual = handoff_time(costs, view, stage.last, cluster, len(nodes) == 1, link_efficiency)
+        repriced.append(replace(stage, latency=stage.latency + chunks * (actual - priced)))
+    return [*repriced, stages[-1]]
+
+
+def iteration_comm(cluster: Cluster, options: InterOptions) -> IterationComm:
+    """How `options` runs the once-per-iteration communication of the stages on `cluster`."""
+    links = Links.of(cluster.device, options.link_efficiency) if options.bucket_collectives else None
+    return IterationComm(links, options.overlap_tail)
 
 
 def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Cluster, first: int, last: int,
@@ -169,7 +186,10 @@ def best_estimate(costs: LayerCosts, views: tuple[ViewCosts, ...], cluster: Clus
     (handing off `chunks` times per micro-batch)."""
     schedule = get_schedule(options.schedule)
     found = [estimate_stage(v, first, last, stages_left, num_microbatches, options.capacity_bytes,
-                            chunks * handoff_time(costs, v, last, cluster), schedule, options.recompute)
+                            chunks * handoff_time(costs, v, last, cluster,
+                                                  handoff_in_node(v, cluster, options.node_local_sends),
+                                                  options.link_efficiency),
+                            schedule, options.recompute, iteration_comm(cluster, options))
              for v in views]
     found = [e for e in found if e is not None]
     return min(found, key=lambda e: stage_key(e, num_microbatches)) if found else None

@@ -5,8 +5,8 @@ in flight (the schedule says how many: under 1F1B the stage s-th from the end ho
 and the working memory of the one layer running. Two recomputation choices: none (keep every
 saved activation) or full (keep the stage inputs; run each layer's forward again before its
 backward). Hand-offs to the next stage are priced per device: each device of the sending view
-sends its share of the boundary's activations, and receives its gradient, over the inter-node
-link.
+sends its share of the boundary's activations, and receives its gradient, over the link it
+crosses (meshplan.cost.links).
 """
 
 from __future__ import annotations
@@ -17,12 +17,46 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.links import Links, bucketed_seconds, exposed_seconds, send_seconds
 from meshplan.inter.costs import LayerCost, LayerCosts, ViewCosts
 from meshplan.inter.schedules import Schedule
 
-RECOMPUTE_CHOICES = ("none", "full")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
 _SUMMED = ("time", "forward_time", "sync_time", "update_time", "static_bytes", "activation_bytes", "input_bytes",
-           "flops")
+           "flops", "attention_forward_time", "attention_activation_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class IterationComm:
+    """How a stage's once-per-iteration communication (gradient reductions, the optimizer's
+    gathers) runs.
+
+    Attributes:
+        links: price it in buckets, one collective per kind and group for the whole stage (as
+            Megatron and DDP bucket gradients), on these links (meshplan.cost.links); None: the
+            layers' own per-tensor seconds added up.
+        overlap_tail: overlapped with the last micro-batch's backward pass, exposing what it
+            does not hide and at least this share (None: not overlapped).
+    """
+
+    links: Links | None = None
+    overlap_tail: float | None = None
+
+    def exposed(self, view: ViewCosts, menu: int, first: int, last: int, cost: dict[str, float]) -> float:
+        """Seconds of the stage's once-per-iteration communication not hidden by its compute."""
+        seconds = cost["sync_time"]
+        if self.links is not None:
+            seconds = _bucketed(view, menu, first, last, self.links, seconds)
+        if self.overlap_tail is None:
+            return seconds
+        return exposed_seconds(seconds, cost["time"] - cost["forward_time"], self.overlap_tail)
+
+
+def _bucketed(view: ViewCosts, menu: int, first: int, last: int, links: Links, fallback: float) -> float:
+    """The layers' once-per-iteration collectives in buckets; `fallback` when the layers list
+    none (a pricer that does not)."""
+    listed = [c for k in range(first, last + 1) for c in view.entry(k, menu).iteration_collectives]
+    return bucketed_seconds(listed, links) if listed else fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +81,24 @@ class StageEstimate:
     devices: tuple[int, ...] = ()
 
 
-def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster, in_node: bool = False) -> float:
+def handoff_time(costs: LayerCosts, view: ViewCosts, last: int, cluster: Cluster, in_node: bool = False,
+                 link_efficiency: float = 1.0) -> float:
     """Seconds to send one micro-batch's activations after layer `last` and get their gradient
     back, each device of `view` moving its share over the inter-node link, or the intra-node
-    link when both stages sit in one node (0 after the last layer)."""
+    link when both stages sit in one node (0 after the last layer); links at `link_efficiency`
+    of their nominal bandwidth (meshplan.cost.links)."""
     if last >= costs.num_layers - 1:
         return 0.0
-    d = cluster.device
-    latency, beta = (d.intra_latency, d.intra_beta) if in_node else (d.inter_latency, d.inter_beta)
-    return 2 * (latency + costs.handoff_bytes[last] / view.devices * beta)
+    links = Links.of(cluster.device, link_efficiency)
+    return 2 * send_seconds(costs.handoff_bytes[last] / view.devices, not in_node, links)
+
+
+def handoff_in_node(view: ViewCosts, cluster: Cluster, node_local: bool) -> bool:
+    """Whether the stage DP prices the hand-off after a stage on `view` on the intra-node link:
+    with `node_local`, a stage on part of a node is placed beside the next one where it fits
+    (placement then re-prices the hand-offs that do cross); a whole-node stage always hands off
+    across nodes."""
+    return node_local and view.submesh[1] < cluster.devices_per_node
 
 
 def range_cost(view: ViewCosts, menu: int, first: int, last: int) -> dict[str, float]:
@@ -77,16 +120,22 @@ def _usable(cost: LayerCost) -> bool:
 
 def stage_memory(cost: dict[str, float], inflight: int, recompute: str) -> float:
     """Peak bytes per device: state held all along, activations of the micro-batches in flight,
-    and the working memory of the one layer running (layers run one at a time)."""
+    and the working memory of the one layer running (layers run one at a time). Full
+    recomputation keeps each layer's input (one layer's activations live at a time); selective
+    recomputation drops what only the attention cores keep."""
     if recompute == "full":
         held = cost["static_bytes"] + inflight * cost["input_bytes"] + cost["peak_activation_bytes"]
     else:
-        held = cost["static_bytes"] + inflight * cost["activation_bytes"]
+        dropped = cost["attention_activation_bytes"] if recompute == "selective" else 0.0
+        held = cost["static_bytes"] + inflight * (cost["activation_bytes"] - dropped)
     return held + cost["transient_bytes"]
 
 
 def stage_latency(cost: dict[str, float], recompute: str, transfer: float) -> float:
-    return cost["time"] + (cost["forward_time"] if recompute == "full" else 0.0) + transfer
+    """A micro-batch's forward and backward, the forward (full) or attention (selective) run
+    again, and the hand-off."""
+    again = {"full": cost["forward_time"], "selective": cost["attention_forward_time"]}.get(recompute, 0.0)
+    return cost["time"] + again + transfer
 
 
 def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
@@ -97,19 +146,22 @@ def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
 
 def estimate_stage(view: ViewCosts, first: int, last: int, stages_left: int, num_microbatches: int,
                    capacity: float, transfer: float, schedule: Schedule,
-                   recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES) -> StageEstimate | None:
+                   recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES,
+                   iteration: IterationComm = IterationComm()) -> StageEstimate | None:
     """The fastest (menu, recomputation) choice of a stage that fits in `capacity` bytes;
-    `transfer` is its hand-off time to the next stage."""
+    `transfer` is its hand-off time to the next stage, `iteration` how its once-per-iteration
+    communication runs."""
     inflight = schedule.inflight(stages_left, num_microbatches)
     best = None
     for menu in range(view.menu_size):
         cost = range_cost(view, menu, first, last)
+        sync = iteration.exposed(view, menu, first, last, cost)
         for recompute in recompute_choices:
             memory = stage_memory(cost, inflight, recompute)
             if memory > capacity:
                 continue
             estimate = StageEstimate(first, last, view.submesh, view.view, menu, recompute,
-                                     stage_latency(cost, recompute, transfer), cost["sync_time"],
+                                     stage_latency(cost, recompute, transfer), sync,
                                      cost["update_time"], memory, inflight, cost["flops"])
             if best is None or stage_key(estimate, num_microbatches) < stage_key(best, num_microbatches):
                 best = estimate
@@ -126,10 +178,14 @@ def leanest_memory(view: ViewCosts, first: int, last: int, stages_left: int, num
 
 def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
                   num_microbatches: int, capacity: float, schedule: Schedule,
-                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1) -> np.ndarray:
+                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1,
+                  node_local: bool = False, link_efficiency: float = 1.0,
+                  overlap_tail: float | None = None) -> np.ndarray:
     """[first, last, sub-mesh, stages left] -> best stage key over views, menu entries and
     recomputation (inf: nothing fits); `sends`: hand-offs per micro-batch at the stage's end
-    (the model chunks per device under the interleaved schedule)."""
+    (the model chunks per device under the interleaved schedule), on the link `handoff_in_node`
+    says; the once-per-iteration communication overlapped with the backward pass when
+    `overlap_tail` is given (per tensor here; the chosen stages are priced in buckets)."""
     num_layers = costs.num_layers
     table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
     inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(num_layers + 1)])
@@ -139,10 +195,12 @@ def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], clu
         # counts; the table at s is then the best over c > s (a suffix minimum).
         by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
         for view in views:
-            transfer = sends * np.array([handoff_time(costs, view, k, cluster) for k in range(num_layers)])
+            in_node = handoff_in_node(view, cluster, node_local)
+            transfer = sends * np.array([handoff_time(costs, view, k, cluster, in_node, link_efficiency)
+                                         for k in range(num_layers)])
             for menu in range(view.menu_size):
                 for latency, fits in _menu_choices(view, menu, transfer, num_microbatches, capacity, inflight,
-                                                   recompute_choices):
+                                                   recompute_choices, overlap_tail):
                     slot = by_count[grid[0], grid[1], fits]
                     by_count[grid[0], grid[1], fits] = np.minimum(slot, latency)
         suffix = np.minimum.accumulate(by_count[:, :, ::-1], axis=2)[:, :, ::-1]
@@ -151,7 +209,7 @@ def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], clu
 
 
 def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbatches: int, capacity: float,
-                  inflight: np.ndarray, recompute_choices: tuple[str, ...]):
+                  inflight: np.ndarray, recompute_choices: tuple[str, ...], overlap_tail: float | None):
     """Per recomputation choice: the stage key of every range [first, last] under one menu entry
     (inf where the range is empty or holds an unusable layer) and how many leading stage counts
     (0, 1, ...) it fits in memory for."""
@@ -171,9 +229,12 @@ def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbat
     kept = [e for e, ok in zip(entries, usable, strict=True) if ok] or entries[:1]
     sums["transient_bytes"] = max(e.transient_bytes for e in kept)
     sums["peak_activation_bytes"] = max(e.peak_activation_bytes for e in kept)
+    sync = sums["sync_time"]
+    if overlap_tail is not None:
+        sync = np.maximum(sync - (sums["time"] - sums["forward_time"]), overlap_tail * sync)
     for recompute in recompute_choices:
         latency = stage_latency(sums, recompute, transfer[None, :])
-        latency = latency + (sums["sync_time"] + sums["update_time"]) / num_microbatches  # see stage_key
+        latency = latency + (sync + sums["update_time"]) / num_microbatches  # see stage_key
         yield np.where(valid, latency, np.inf), _fitting_stage_counts(sums, inflight, recompute, capacity)
 
 

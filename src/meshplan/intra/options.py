@@ -9,6 +9,7 @@ from meshplan.cost.model import CostModel
 from meshplan.errors import OptionsError
 from meshplan.intra.method_layout import MethodLayout
 from meshplan.sharding.context import RuleConfig
+from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import StrategySpace
 
 SOLVERS = ("highs", "cbc")
@@ -32,6 +33,8 @@ class IntraOptions:
         reduce_scatter: see RuleConfig.
         layout: the layout a parallelization method promises (intra.method_layout); AUTO
             leaves every choice to the cost model.
+        gather_choices: see RuleConfig.
+        fixed_specs: see RuleConfig.fixed.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -46,6 +49,8 @@ class IntraOptions:
     contractions_use_all_axes: bool | None = None
     reduce_scatter: bool = False
     layout: MethodLayout = MethodLayout.AUTO
+    gather_choices: bool = False
+    fixed_specs: tuple[tuple[int, ShardingSpec], ...] = ()
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -58,7 +63,7 @@ class IntraOptions:
     @property
     def rules(self) -> RuleConfig:
         return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
-                          self.contractions_use_all_axes, self.reduce_scatter)
+                          self.contractions_use_all_axes, self.reduce_scatter, self.gather_choices, self.fixed_specs)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cluster.mesh import LogicalMesh, MeshTopology
 from meshplan.cost.collectives import Collective
 from meshplan.errors import PlanValidationError
 from meshplan.intra.solvers import SolveResult, SolveStatus
@@ -165,13 +165,17 @@ class IntraPlan:
 
 
 def mesh_to_dict(mesh: LogicalMesh) -> dict[str, Any]:
-    return {"shape": list(mesh.shape), "alpha": list(mesh.alpha), "beta": list(mesh.beta),
+    data = {"shape": list(mesh.shape), "alpha": list(mesh.alpha), "beta": list(mesh.beta),
             "memory_per_device": mesh.memory_per_device, "device_ids": list(mesh.device_ids)}
+    if mesh.topology is not None:
+        data["topology"] = asdict(mesh.topology)
+    return data
 
 
 def mesh_from_dict(data: dict[str, Any]) -> LogicalMesh:
+    topology = MeshTopology(**data["topology"]) if data.get("topology") else None
     return LogicalMesh(tuple(data["shape"]), tuple(data["alpha"]), tuple(data["beta"]), data["memory_per_device"],
-                       tuple(data["device_ids"]))
+                       tuple(data["device_ids"]), topology)
 
 
 def _chosen(data: dict[str, Any]) -> ChosenStrategy:

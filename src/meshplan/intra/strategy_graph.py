@@ -79,18 +79,24 @@ class StrategyGraph:
         if src is dst or src.dims == dst.dims:
             return ()
         node = self.graph[producer]
+        shape = node.shape
         if node.kind is OpKind.BROADCAST and self.model.resharding is ReshardingRule.EXACT:
             # A broadcast is fused into its consumers, never materialized: XLA converts its
             # operand (a bias, not the activation-sized result) and broadcasts again locally.
             operand = self.graph[node.operands[0]]
             src, dst = (spec.unbroadcast(node.attr("dims"), operand.shape, node.shape) for spec in (src, dst))
-            node = operand
+            node, shape = operand, operand.shape
             if src.dims == dst.dims:
                 return ()
-        key = (node.shape, node.dtype, src.dims, dst.dims)
+        elif self.model.kernels is not None and node.kind is OpKind.BROADCAST:
+            # Under kernel fusion a broadcast is never written: its (smaller) source moves and the
+            # consumer's kernel broadcasts it again.
+            kept = set(node.attr("dims"))
+            shape = tuple(size if d in kept else 1 for d, size in enumerate(node.shape))
+        key = (shape, node.dtype, src.dims, dst.dims)
         if key not in self._reshard_cache:
-            self._reshard_cache[key] = resharding_collectives(node.shape, node.dtype.itemsize, src, dst,
-                                                              self.mesh, self.model)
+            self._reshard_cache[key] = resharding_collectives(shape, node.dtype.itemsize, src, dst, self.mesh,
+                                                              self.model)
         return self._reshard_cache[key]
 
     def once_per_iteration(self, node_id: int) -> float:

@@ -9,8 +9,9 @@ whose gradient is needed, so the appended graph holds no dead nodes a planner wo
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from meshplan.errors import GraphError
@@ -69,7 +70,8 @@ def vjp_rule(node: Node) -> VjpRule | None:
 def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dict[int, int]:
     """Append the nodes computing d(loss)/d(x) for every x in `wrt`.
 
-    Gradient nodes copy the layer tag of the forward node they differentiate; the final
+    Gradient nodes copy the layer tag and the fused-kernel tag (`GraphBuilder.kernel`) of the
+    forward node they differentiate; the final
     gradient of a named node is named `grad.<name>` when it is a node of its own.
 
     Args:
@@ -148,8 +150,11 @@ def _check_rules(forward: list[Node], relevant: set[int]) -> None:
                              "differentiable IR ops or leave its inputs out of wrt")
 
 
-def _tagged(builder: GraphBuilder, node: Node):
-    return builder.layer(node.layer, node.source)
+@contextlib.contextmanager
+def _tagged(builder: GraphBuilder, node: Node) -> Iterator[None]:
+    """Nodes built inside carry `node`'s layer tag and fused-kernel tag."""
+    with builder.layer(node.layer, node.source), builder.kernel(node.attr("kernel")):
+        yield
 
 
 def _seed(builder: GraphBuilder, loss: Node) -> int:

@@ -46,6 +46,7 @@ class GraphBuilder:
         self._force_replicated: list[int] = []
         self._layer: int | None = None
         self._source = ""
+        self._kernel: str | None = None
 
     # -- context ---------------------------------------------------------------------------
 
@@ -62,6 +63,18 @@ class GraphBuilder:
             yield
         finally:
             self._layer, self._source = saved
+
+    @contextlib.contextmanager
+    def kernel(self, name: str | None) -> Iterator[None]:
+        """Tag the nodes built inside as parts of one fused kernel `name` (attribute "kernel",
+        e.g. "attention": the score product, softmax and context product that fused attention
+        runs as one kernel); cost models price such a group as that kernel. None: no tag."""
+        saved = self._kernel
+        self._kernel = name
+        try:
+            yield
+        finally:
+            self._kernel = saved
 
     # -- leaves ------------------------------------------------------------------------------
 
@@ -494,6 +507,8 @@ class GraphBuilder:
         if any(s < 0 for s in shape):
             raise GraphError(f"{kind.value} {name}: negative dimension in {shape}")
         node_id = len(self._nodes)
+        if self._kernel is not None:
+            attrs = {**attrs, "kernel": self._kernel}
         self._nodes.append(Node(node_id, kind, operands, shape, as_dtype(dtype), freeze_attrs(attrs),
                                 name, self._source, self._layer))
         return node_id

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.cost.fusion import BOUNDARY
 from meshplan.errors import ModelSpecError
 from meshplan.ir import DType, Graph, GraphBuilder, OpKind
 from meshplan.ir.autodiff import append_backward
-from meshplan.models.blocks import block, embedding, lm_head_loss
+from meshplan.models.blocks import ACTIVATION_DIMS, block, embedding, lm_head_loss, weight
 from meshplan.models.optimizers import append_adam, append_sgd
 from meshplan.models.transformer import TransformerConfig
 
@@ -44,7 +45,7 @@ def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, s
                          dtype: DType = DType.BF16, optimizer: str = "adam") -> PieceGraph:
     """Forward and backward of block `index` for one micro-batch."""
     b = GraphBuilder(f"{cfg.name}.block{index}")
-    x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
+    x = _batch_input(b, weight(b, (micro_batch, seq, cfg.hidden), dtype, "activations", ACTIVATION_DIMS))
     first_weight = len(b)
     with b.layer(index):
         out = block(b, x, cfg, index)
@@ -63,7 +64,7 @@ def embedding_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
 def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
                         dtype: DType = DType.BF16, optimizer: str = "adam") -> PieceGraph:
     b = GraphBuilder(f"{cfg.name}.head")
-    x = _batch_input(b, b.parameter((micro_batch, seq, cfg.hidden), dtype, name="activations"))
+    x = _batch_input(b, weight(b, (micro_batch, seq, cfg.hidden), dtype, "activations", ACTIVATION_DIMS))
     first_weight = len(b)
     loss = lm_head_loss(b, x, cfg)
     weights = [n for n in range(first_weight, len(b))
@@ -79,7 +80,8 @@ def _find(b: GraphBuilder, name: str) -> int:
 def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[int],
                    optimizer: str) -> PieceGraph:
     cotangent = _batch_input(b, b.parameter(b.shape(out), b.node(out).dtype, name="cotangent"))
-    loss = b.reduce(b.mul(out, cotangent), tuple(range(len(b.shape(out)))), name="stage_loss")
+    with b.kernel(BOUNDARY):  # stands for the rest of the model: no kernel of this stage
+        loss = b.reduce(b.mul(out, cotangent), tuple(range(len(b.shape(out)))), name="stage_loss")
     return _finish(b, loss, inputs, weights, optimizer)
 
 
@@ -89,9 +91,11 @@ def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], o
     if optimizer not in OPTIMIZERS:
         raise ModelSpecError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     grads = append_backward(b, loss, [*inputs, *weights])
+    backward_end = len(b) - 1
+    for node_id in range(loss + 1, backward_end + 1):
+        b.tag(node_id, backward=True)
     for w in weights:
         _mark_accumulated(b, grads[w])
-    backward_end = len(b) - 1
     updated = append_adam(b, weights, grads, master_dtype=DType.F32, relayout=True) if optimizer == "adam" \
         else append_sgd(b, weights, grads)
     for node_id in range(backward_end + 1, len(b)):

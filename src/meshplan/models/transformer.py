@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -86,6 +87,20 @@ class TransformerConfig:
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
+
+    def expert_capacity(self, seq: int) -> int:
+        """Token slots each routed expert takes per sequence (GShard's capacity)."""
+        return min(seq, max(1, math.ceil(self.top_k * self.capacity_factor * seq / self.experts)))
+
+    def routed_slots(self, seq: int) -> float:
+        """Routed expert slots per token of a sequence: about top_k x capacity_factor."""
+        return self.experts * self.expert_capacity(seq) / seq
+
+    @property
+    def dropout(self) -> bool:
+        """Whether the model trains with dropout (GPT and BERT, as Megatron-LM configures them;
+        LLaMA-style models train without)."""
+        return self.family in ("gpt", "bert")
 
     @property
     def head_dim(self) -> int:

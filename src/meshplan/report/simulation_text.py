@@ -4,6 +4,7 @@ the baselines, planner time (`meshplan report` shows the rest)."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.table import Table
 
 from meshplan.plan import Plan
 from meshplan.report.tables import gb, table
@@ -22,12 +23,30 @@ def print_simulation(plan: Plan, console: Console | None = None) -> None:
         for b in plan.baselines:
             if b.prediction is None:
                 console.print(f"{b.name} does not fit: {b.reason}", highlight=False)
+    beside = recipe_table(plan)
+    if beside is not None:
+        console.print(beside)
+        console.print(f"fastest recipe: {plan.option('best_recipe')}", highlight=False)
     phases = plan.metrics_under("planner_s.")
     text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
     console.print(f"planner time: {text} (total {sum(phases.values()):.1f} s)", highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
     console.print("details: meshplan report PLAN.json (write the plan with --out)", highlight=False)
+
+
+def recipe_table(plan: Plan) -> Table | None:
+    """The auto plan's time per iteration beside the fastest recipe's, part by part (None when
+    the plan carries no recipe breakdown)."""
+    own, recipe = plan.metrics_under("time."), plan.metrics_under("recipe_time.")
+    if not own or not recipe:
+        return None
+    t = table("seconds per iteration: auto beside the fastest recipe (critical stage)", ["part", "auto", "recipe"],
+              numeric=("auto", "recipe"))
+    for part in own:
+        t.add_row(part, f"{own[part]:.3f}", f"{recipe.get(part, 0.0):.3f}")
+    t.add_row("iteration", f"{sum(own.values()):.3f}", f"{sum(recipe.values()):.3f}")
+    return t
 
 
 def print_layout(plan: Plan, console: Console | None = None) -> None:
@@ -38,6 +57,8 @@ def print_layout(plan: Plan, console: Console | None = None) -> None:
     for line in header_lines(plan):
         console.print(line, highlight=False)
     console.print(f"layout          {plan.option('layout')}", highlight=False)
+    if p.cost_model:
+        console.print(f"priced by       {p.cost_model}", highlight=False)
     console.print(f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)}", highlight=False)
     console.print(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
                   f"MFU {p.mfu:.1%}", highlight=False)

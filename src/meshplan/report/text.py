@@ -273,7 +273,8 @@ def operators_table(plan: Plan, ops: OpFilter) -> Table:
 
 
 def baselines_table(plan: Plan) -> Table:
-    t = table("baselines under the same cost model (layout-search: the closed-form model)",
+    model = plan.prediction.cost_model or "the same cost model"
+    t = table(f"baselines priced by the auto plan's cost model ({model})",
               ["plan", "configuration", "s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"],
               numeric=("s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"))
     auto = plan.prediction

@@ -30,8 +30,17 @@ import math
 from dataclasses import dataclass
 
 from meshplan.cluster.cluster import Cluster
-from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
-from meshplan.inter.schedules import pipeline_latency
+from meshplan.cost.kernels import (
+    DEFAULT_EFFICIENCY,
+    WORKSPACE_BYTES,
+    KernelEfficiency,
+    fused_attention_seconds,
+    gemm_seconds,
+    memory_seconds,
+    optimizer_step_bytes,
+)
+from meshplan.cost.links import CollectiveKind, Group, Links, collective_seconds, exposed_seconds, send_seconds
+from meshplan.inter.schedules import megatron_inflight, pipeline_latency
 from meshplan.ir import DType
 from meshplan.simulator.job import TrainingJob
 from meshplan.simulator.layout import Layout
@@ -39,8 +48,12 @@ from meshplan.simulator.layout import Layout
 # Relative spread of the true iteration time around a prediction: the 10th and 90th percentile
 # of (published / predicted - 1) over the validated runs (docs/validation.md,
 # benchmarks/results/validation.json); a prediction t is shown as t (t * (1 + LOW) - t * (1 + HIGH)).
-UNCERTAINTY = (-0.061, 0.138)
-WORKSPACE_BYTES = 1.0 * 2**30  # cuBLAS workspaces, NCCL buffers, allocator slack
+UNCERTAINTY = (-0.040, 0.161)
+# The parts of an iteration's time every pricer reports (LayoutPrediction.breakdown, the
+# `time.*` metrics of a simulated plan), so plans and recipes compare part by part.
+TIME_PARTS = ("compute", "tensor/expert-parallel communication", "recomputation", "hand-offs", "pipeline bubble",
+              "exposed data-parallel communication", "optimizer step")
+FORMULA = "formula/2"  # this closed form's name and version (Prediction.cost_model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +93,7 @@ class LayoutPrediction:
         model_flops: 6 N T FLOPs of the iteration (N: parameters a token multiplies by).
         peak_flops: the compute dtype's peak per device (fp8 when the layout uses fp8 GEMMs).
         breakdown: seconds per iteration by component on the critical stage.
+        cost_model: the pricer that made it and its version (FORMULA, or the graph pricer's).
     """
 
     layout: Layout
@@ -95,6 +109,7 @@ class LayoutPrediction:
     model_flops: float
     peak_flops: float
     breakdown: tuple[tuple[str, float], ...]
+    cost_model: str = ""
 
     @property
     def fits(self) -> bool:
@@ -151,15 +166,20 @@ def price_layout(job: TrainingJob, cluster: Cluster, layout: Layout,
                  efficiency: KernelEfficiency = DEFAULT_EFFICIENCY, memory_fraction: float = 0.9) -> LayoutPrediction:
     """Time and memory of `layout` training `job` on `cluster` (check_layout first: this
     assumes the layout can run)."""
-    return _Pricer(job, cluster, layout, efficiency).predict(memory_fraction)
+    return LayoutPricer(job, cluster, layout, efficiency).predict(memory_fraction)
 
 
-class _Pricer:
-    """The layout's per-device work, priced piece by piece."""
+class LayoutPricer:
+    """The layout's per-device work, priced piece by piece in closed form; the glue (stages,
+    pipeline, exposed data-parallel communication, memory parts) is shared with the graph pricer
+    (meshplan.simulator.graph_pricing), which overrides the per-layer, per-stage costs."""
+
+    cost_model = FORMULA
 
     def __init__(self, job: TrainingJob, cluster: Cluster, layout: Layout, eff: KernelEfficiency) -> None:
         self.job, self.cluster, self.layout, self.eff = job, cluster, layout, eff
         self.model, self.device = job.model, cluster.device
+        self.links = Links.of(cluster.device, eff.link)
         self.flash = self.device.flash_attention if layout.flash is None else layout.flash
         self.bytes = job.dtype.itemsize
         self.tokens = layout.mb * job.seq_len // layout.cp  # per device per micro-batch
@@ -172,39 +192,23 @@ class _Pricer:
         self._moe = job.model.moe_layers()
         self._any_moe = any(self._moe)
         self._layer_params: dict[bool, tuple[float, float]] = {}
-        self._reductions: dict[tuple[float, int], float] = {}
+        self._reductions: dict[tuple[CollectiveKind, float, int], float] = {}
         self._activations: dict[bool, tuple[float, float]] = {}
 
     # -- links -----------------------------------------------------------------------------
 
-    def _group_link(self, stride: int, size: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of `size` ranks `stride` apart: NVLink when they
-        share a node, the inter-node share of one device otherwise."""
-        d, per_node = self.device, self.cluster.devices_per_node
-        if size <= 1 or stride * size <= per_node:
-            return d.intra_bandwidth * self.eff.link, d.intra_latency
-        return d.inter_bandwidth * self.eff.link, d.inter_latency
-
-    def _ring(self, kind: str, nbytes: float, stride: int, size: int) -> float:
-        """Ring all-reduce ("ar"), all-gather or reduce-scatter ("ag"/"rs") of `nbytes` per device."""
-        if size <= 1 or nbytes <= 0:
-            return 0.0
-        bandwidth, latency = self._group_link(stride, size)
-        steps = 2 * (size - 1) if kind == "ar" else size - 1
-        return steps * latency + steps / size * nbytes / bandwidth
+    def _collective(self, kind: CollectiveKind, nbytes: float, size: int, stride: int) -> float:
+        """One collective over `size` ranks `stride` apart in Megatron's rank order."""
+        group = Group.strided(size, stride, self.cluster.devices_per_node)
+        return collective_seconds(kind, nbytes, group, self.links)
 
     # -- compute ---------------------------------------------------------------------------
 
     def _gemm(self, m: float, n: float, k: float, count: float = 1.0) -> float:
-        fp8 = self.layout.fp8
-        peak = self.device.fp8_flops if fp8 else self.device.peak_flops
-        if m <= 0 or n <= 0 or k <= 0:
-            return 0.0
-        return count * 2 * m * n * k / (peak * self.eff.gemm(m, n, k, fp8))
+        return gemm_seconds(self.device, self.eff, m, n, k, count, self.layout.fp8)
 
     def _hbm(self, nbytes: float) -> float:
-        bandwidth = self.device.memory_bandwidth or self.device.peak_flops / 100.0
-        return nbytes / (bandwidth * self.eff.memory)
+        return memory_seconds(self.device, self.eff, nbytes)
 
     def _layer(self, moe: bool) -> _LayerTimes:
         model, lay, t = self.model, self.layout, self.tokens
@@ -216,23 +220,34 @@ class _Pricer:
         # Attention core: QK^T and PV; causal flash kernels skip the masked half.
         core_flops = 4 * lay.mb * heads * (seq_all / lay.cp) * seq_all * d
         scores = lay.mb * heads * (seq_all / lay.cp) * seq_all  # per device
+        dropout = 1 if model.dropout else 0
         if self.flash:
-            causal = 0.5 if model.causal else 1.0
-            attention = causal * core_flops / (self.device.peak_flops * self.eff.attention)
+            attention = fused_attention_seconds(self.device, self.eff, core_flops, model.causal)
             softmax = 0.0
         else:
             attention = (self._gemm(seq_all / lay.cp, seq_all, d, lay.mb * heads)
                          + self._gemm(seq_all / lay.cp, d, seq_all, lay.mb * heads))
             # Fused scale-mask-softmax reads the scores and writes the probabilities; dropout reads
             # them and writes its output and a one-byte mask.
-            dropout = 1 if model.family in ("gpt", "bert") else 0
             softmax = self._hbm(scores * (2 * self.bytes + dropout * (2 * self.bytes + 1)))
         split = tp if lay.sp else 1
         width = self._mlp_width(moe)
-        elementwise = self._hbm(self.bytes * (10 * t * h / split + 3 * t * width / tp
-                                              + (4 * t * (heads + kv) * d if model.rotary else 0)))
+        # Norms read and write a row (2 each), residual adds read two and write one (3 each), the
+        # MLP activation reads its inputs and writes its output, fused rotary embedding reads q
+        # and k and writes them back: the bytes the fused kernels of meshplan.cost.fusion move.
+        mats = 3 if model.mlp == "swiglu" else 2  # SwiGLU reads two inputs, GELU one; both write one
+        masks = 2 * t * h / split if model.dropout else 0.0  # the two one-byte dropout masks written
+        if moe:  # token permutation: gather the slots' rows, read the experts' outputs, write the sum
+            masks += self.bytes * (3 * model.routed_slots(seq_all) + 1) * t * h
+        elementwise = self._hbm(self.bytes * (10 * t * h / split + mats * t * width / tp
+                                              + (2 * t * (heads + kv) * d if model.rotary else 0)) + masks)
         forward_compute = gemms + attention + softmax + elementwise
-        backward_compute = 2 * gemms + (2.5 if self.flash else 2.0) * (attention + softmax) + 2 * elementwise
+        # The softmax backward reads the probabilities and their gradient and writes the scores'
+        # gradient; with dropout it reads the mask too.
+        softmax_back = 0.0 if self.flash else self._hbm(scores * (3 * self.bytes + dropout))
+        core_backward = (fused_attention_seconds(self.device, self.eff, 2 * core_flops, model.causal, backward=True)
+                         if self.flash else 2 * attention + softmax_back)
+        backward_compute = 2 * gemms + core_backward + 2 * elementwise
         tp_comm = self._tp_comm() + self._cp_comm(attention)
         moe_comm = self._moe_comm() if moe else 0.0
         gather, scatter = self._fsdp_comm(moe)
@@ -252,15 +267,15 @@ class _Pricer:
         if not lay.fsdp or group == 1:
             return 0.0, 0.0
         params = self.model.block_params(moe) / lay.tp
-        weights = self._hierarchical(params * self.bytes, group) / 2  # an all-gather: half an all-reduce
-        grads = self._hierarchical(params * self._grad_bytes, group) / 2
+        weights = self._data_parallel_collective(CollectiveKind.ALL_GATHER, params * self.bytes, group)
+        grads = self._data_parallel_collective(CollectiveKind.REDUCE_SCATTER, params * self._grad_bytes, group)
         return weights, grads
 
     def _mlp_width(self, moe: bool) -> float:
         model = self.model
         if not moe:
             return model.ffn
-        return (model.top_k + model.shared_experts) * model.expert_width
+        return (model.routed_slots(self.job.seq_len) + model.shared_experts) * model.expert_width
 
     def _mlp_gemms(self, moe: bool) -> float:
         model, t, tp = self.model, self.tokens, self.layout.tp
@@ -269,7 +284,9 @@ class _Pricer:
             return self._gemm(t, (mats - 1) * model.ffn / tp, h) + self._gemm(t, h, model.ffn / tp)
         w = model.expert_width
         local_experts = model.experts / self.layout.ep
-        per_expert = t * model.top_k * self.layout.ep / model.experts  # tokens routed to each expert
+        # Token slots each local expert runs: its capacity (GShard's, about top_k x capacity_factor
+        # per token) of every sequence the expert-parallel group holds.
+        per_expert = t * model.routed_slots(self.job.seq_len) * self.layout.ep / model.experts
         routed = (self._gemm(per_expert, (mats - 1) * w / tp, h, local_experts)
                   + self._gemm(per_expert, h, w / tp, local_experts))
         shared = w * model.shared_experts
@@ -283,19 +300,19 @@ class _Pricer:
         if lay.tp == 1:
             return 0.0
         nbytes = self.tokens * self.model.hidden * self.bytes
-        seconds = 2 * self._ring("ar", nbytes, 1, lay.tp)
+        seconds = 2 * self._collective(CollectiveKind.ALL_REDUCE, nbytes, lay.tp, 1)
         return seconds * (1 - self.eff.tp_overlap_hidden if lay.tp_overlap else 1.0)
 
     def _cp_comm(self, attention: float) -> float:
         """Ring attention passes key/value blocks around the context-parallel group while it
-        computes; only what the attention does not hide is exposed."""
+        computes (the bytes of an all-gather of every rank's block); only what the attention does
+        not hide is exposed."""
         lay = self.layout
         if lay.cp == 1:
             return 0.0
         kv = max(1.0, self.model.num_kv_heads / lay.tp)
         block = 2 * self.tokens * kv * self.model.head_dim * self.bytes
-        bandwidth, latency = self._group_link(lay.tp, lay.cp)
-        exchange = (lay.cp - 1) * (latency + block / bandwidth)
+        exchange = self._collective(CollectiveKind.ALL_GATHER, lay.cp * block, lay.cp, lay.tp)
         return max(0.0, exchange - attention)
 
     def _moe_comm(self) -> float:
@@ -303,9 +320,8 @@ class _Pricer:
         lay, model = self.layout, self.model
         if lay.ep == 1:
             return 0.0
-        nbytes = self.tokens * model.top_k * model.hidden * self.bytes
-        bandwidth, latency = self._group_link(lay.tp * lay.cp, lay.ep)
-        return 2 * ((lay.ep - 1) * latency + (lay.ep - 1) / lay.ep * nbytes / bandwidth)
+        nbytes = self.tokens * model.routed_slots(self.job.seq_len) * model.hidden * self.bytes
+        return 2 * self._collective(CollectiveKind.ALL_TO_ALL, nbytes, lay.ep, lay.tp * lay.cp)
 
     # -- stages ----------------------------------------------------------------------------
 
@@ -324,17 +340,25 @@ class _Pricer:
         nbytes = self.tokens * self.model.hidden * self.bytes / lay.tp
         per_node, size = self.cluster.devices_per_node, lay.stage_devices
         crosses = size >= per_node or ((stage + 1) * size) % per_node == 0
-        d = self.device
-        bandwidth, latency = ((d.inter_bandwidth, d.inter_latency) if crosses
-                              else (d.intra_bandwidth, d.intra_latency))
-        return 2 * lay.vp * (latency + nbytes / (bandwidth * self.eff.link))
+        return 2 * lay.vp * send_seconds(nbytes, crosses, self.links)
 
     def _head(self) -> float:
-        """LM head GEMM and cross-entropy of one micro-batch (forward + backward) on the last stage."""
-        model, t = self.model, self.tokens
-        gemm = self._gemm(t, model.vocab / self.layout.tp, model.hidden)
-        loss = self._hbm(4 * t * model.vocab / self.layout.tp * 4)  # fp32 logits: softmax and its gradient
-        return 3 * gemm + loss
+        """LM head GEMM and cross-entropy of one micro-batch (forward + backward) on the last stage;
+        with tensor parallelism its input is gathered (or its input gradient all-reduced) and the
+        vocabulary-parallel loss all-reduces three fp32 values per token (maximum, sum, target)."""
+        model, t, tp = self.model, self.tokens, self.layout.tp
+        gemm = self._gemm(t, model.vocab / tp, model.hidden)
+        loss = self._hbm(4 * t * model.vocab / tp * 4)  # fp32 logits: softmax and its gradient
+        comm = (self._collective(CollectiveKind.ALL_REDUCE, t * model.hidden * self.bytes, tp, 1)
+                + 3 * self._collective(CollectiveKind.ALL_REDUCE, t * 4, tp, 1))
+        return 3 * gemm + loss + comm
+
+    def _embedding(self) -> float:
+        """The embedding gather (forward and backward) of one micro-batch on the first stage, and
+        the vocabulary-parallel lookup's all-reduce (reduce-scatter, then an all-gather of its
+        gradient, with sequence parallelism)."""
+        nbytes = self.tokens * self.model.hidden * self.bytes
+        return self._hbm(3 * nbytes) + self._collective(CollectiveKind.ALL_REDUCE, nbytes, self.layout.tp, 1)
 
     def memory(self) -> MemoryBreakdown:
         """Peak memory per device of the most loaded stage."""
@@ -351,7 +375,7 @@ class _Pricer:
             if j == lay.pp - 1:
                 seconds += self._head()
             if j == 0:
-                seconds += self._hbm(3 * self.tokens * self.model.hidden * self.bytes)  # embedding gather
+                seconds += self._embedding()
             times.append(seconds)
             tp_s.append(sum(p.tp_comm + p.moe_comm for p in per))
             recompute_s.append(sum(p.recompute for p in per))
@@ -362,15 +386,14 @@ class _Pricer:
         sync, optimizer = self._data_parallel(stages, backward_window)
         memory = self._memory(stages)
         m = self.num_microbatches
-        breakdown = (("compute and sends", m * (compute_s[critical] - tp_s[critical] - recompute_s[critical])),
-                     ("tensor/expert-parallel communication", m * tp_s[critical]),
-                     ("recomputation", m * recompute_s[critical]),
-                     ("pipeline bubble", pipeline - m * times[critical]),
-                     ("exposed data-parallel communication", sync), ("optimizer step", optimizer))
+        send = self._send(critical)
+        parts = (m * (compute_s[critical] - tp_s[critical] - recompute_s[critical] - send), m * tp_s[critical],
+                 m * recompute_s[critical], m * send, pipeline - m * times[critical], sync, optimizer)
+        breakdown = tuple(zip(TIME_PARTS, parts, strict=True))
         peak = self.device.fp8_flops if lay.fp8 else self.device.peak_flops
         return LayoutPrediction(lay, pipeline + sync + optimizer, pipeline, sync + optimizer, tuple(times), m, memory,
                                 self.device.memory_bytes * memory_fraction, self.cluster.num_devices - lay.devices,
-                                self.cluster.num_devices, model_flops(self.job), peak, breakdown)
+                                self.cluster.num_devices, model_flops(self.job), peak, breakdown, self.cost_model)
 
     # -- data parallel ---------------------------------------------------------------------
 
@@ -412,46 +435,39 @@ class _Pricer:
         a ring across nodes of 1/local of the bytes, every local rank on its own NIC share, then
         all-gather over NVLink."""
         lay = self.layout
-        group = lay.dp * lay.cp
-        grad_bytes = self._grad_bytes
         worst_sync = worst_opt = 0.0
         for j, layers in enumerate(stages):
-            dense, expert = self._stage_params(layers, j == 0, j == lay.pp - 1)
-            comm = self._hierarchical(dense * grad_bytes, group) + self._hierarchical(expert * grad_bytes,
-                                                                                      group // lay.ep)
-            if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
-                comm = self._fsdp_comm(self._moe[layers[-1]])[1] if layers else 0.0
-            elif lay.distributed_optimizer:
-                comm = comm / 2 + self._hierarchical(dense * self.bytes, group) / 2  # RS of grads + AG of weights
-            exposed = comm
-            if lay.overlap:
-                exposed = max(comm - backward_window, comm * self.eff.dp_overlap_tail)
-            shard = group if lay.distributed_optimizer or lay.fsdp else 1
-            state = (dense / shard + expert / (max(1, group // lay.ep) if lay.distributed_optimizer else 1))
-            optimizer = self._hbm(state * 30)  # read fp32 master, moments and gradient; write them and the weights
+            comm, optimizer = self._stage_sync(j, layers)
+            exposed = exposed_seconds(comm, backward_window, self.eff.dp_overlap_tail) if lay.overlap else comm
             worst_sync, worst_opt = max(worst_sync, exposed), max(worst_opt, optimizer)
         return worst_sync, worst_opt
 
-    def _hierarchical(self, nbytes: float, group: int) -> float:
+    def _stage_sync(self, j: int, layers: list[int]) -> tuple[float, float]:
+        """(gradient communication once per iteration, optimizer step) of stage j."""
+        lay = self.layout
+        group = lay.dp * lay.cp
+        grad_bytes = self._grad_bytes
+        dense, expert = self._stage_params(layers, j == 0, j == lay.pp - 1)
+        reduction = CollectiveKind.REDUCE_SCATTER if lay.distributed_optimizer else CollectiveKind.ALL_REDUCE
+        comm = (self._data_parallel_collective(reduction, dense * grad_bytes, group)
+                + self._data_parallel_collective(reduction, expert * grad_bytes, group // lay.ep))
+        if lay.fsdp:  # blocks reduce-scatter layer by layer under the backward; the last is exposed
+            comm = self._fsdp_comm(self._moe[layers[-1]])[1] if layers else 0.0
+        elif lay.distributed_optimizer:  # the new weights are all-gathered
+            comm += self._data_parallel_collective(CollectiveKind.ALL_GATHER, dense * self.bytes, group)
+        shard = group if lay.distributed_optimizer or lay.fsdp else 1
+        state = (dense / shard + expert / (max(1, group // lay.ep) if lay.distributed_optimizer else 1))
+        return comm, self._hbm(state * optimizer_step_bytes(self.bytes, grad_bytes))
+
+    def _data_parallel_collective(self, kind: CollectiveKind, nbytes: float, group: int) -> float:
+        """A collective over the `group` data-parallel (and context-parallel) ranks of a stage,
+        `tp` apart: node-aware, hierarchical when they span nodes (meshplan.cost.links)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        key = (nbytes, group)
+        key = (kind, nbytes, group)
         if key not in self._reductions:  # stages of equal size reduce equal bytes
-            self._reductions[key] = self._hierarchical_time(nbytes, group)
+            self._reductions[key] = self._collective(kind, nbytes, group, self.layout.tp)
         return self._reductions[key]
-
-    def _hierarchical_time(self, nbytes: float, group: int) -> float:
-        per_node = self.cluster.devices_per_node
-        stride = self.layout.tp
-        local = max(1, min(group, per_node // stride)) if stride < per_node else 1
-        nodes = math.ceil(group / local)
-        inside = self._ring("rs", nbytes, stride, local) + self._ring("ag", nbytes, stride, local) if local > 1 else 0.0
-        across = 0.0
-        if nodes > 1:
-            d = self.device
-            bandwidth = d.inter_bandwidth * self.eff.link
-            across = 2 * (nodes - 1) * d.inter_latency + 2 * (nodes - 1) / nodes * (nbytes / local) / bandwidth
-        return inside + across
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -468,7 +484,7 @@ class _Pricer:
         h, d, tp = model.hidden, model.head_dim, lay.tp
         split = tp if lay.sp else 1
         b = self.bytes
-        dropout = 1 if model.family in ("gpt", "bert") else 0  # one-byte masks
+        dropout = 1 if model.dropout else 0  # one-byte masks
         heads, kv = model.heads / tp, max(1.0, model.num_kv_heads / tp)
         # GEMM inputs are saved in fp8 when the GEMMs run in fp8 (Transformer Engine keeps the
         # casted copy for the backward pass).
@@ -486,53 +502,55 @@ class _Pricer:
             core = scores * b + dropout * scores * (1 + b)  # softmax output; dropout mask and output
         width = self._mlp_width(moe) / tp
         mlp = t * width * (b * (2 if model.mlp == "swiglu" else 1) + g)  # activation inputs; down-projection input
+        if moe:  # the experts' inputs (the dispatched tokens) and their outputs (for the gate's gradient)
+            mlp += t * model.routed_slots(seq_all) * h * (g + b)
         kept = replicated + attention + core + mlp
         return kept, t * h * b / split
 
-    def _inflight(self, stage: int) -> float:
-        """Micro-batches of activations stage `stage` holds at its peak: 1F1B warms up with
-        pp - stage; interleaved 1F1B with ((pp - stage - 1) * 2 + (vp - 1) * pp + 1) chunks of
-        1/vp of the stage's layers (Megatron's warm-up), i.e. pp + (pp - 1) / vp on the first."""
+    def _held(self, stage: int) -> float:
+        """Micro-batches of activations stage `stage` holds at its peak (Megatron's warm-up)."""
         lay = self.layout
-        if lay.vp == 1:
-            return float(lay.pp - stage)
-        return ((lay.pp - stage - 1) * 2 + (lay.vp - 1) * lay.pp + 1) / lay.vp
+        return max(1.0, min(megatron_inflight(lay.pp, stage, lay.vp), self.num_microbatches))
 
     def _memory(self, stages: list[list[int]]) -> MemoryBreakdown:
-        lay, model = self.layout, self.model
         worst = None
         for j, layers in enumerate(stages):
-            first, last = j == 0, j == lay.pp - 1
-            dense, expert = self._stage_params(layers, first, last)
-            kinds = self._kind_counts(layers)
-            params = dense + expert
-            group = lay.dp * lay.cp
-            weights = params * self.bytes
-            gradients = params * self._grad_bytes
-            gathered = 0.0
-            if lay.fsdp:  # sharded fp32 master copy in the optimizer state; two layers gathered at a time
-                weights, gradients = 0.0, gradients / group
-                gathered = 2 * max(model.block_params(moe) for moe, _ in kinds) / lay.tp * self.bytes
-            per_param_state = {"adam": 12, "sgd": 4}.get(self.job.optimizer, 12)
-            if self.job.dtype is DType.F32:
-                per_param_state -= 4  # no separate fp32 master copy
-            shard_dense = group if lay.distributed_optimizer or lay.fsdp else 1
-            shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer or lay.fsdp else 1
-            optimizer = per_param_state * (dense / shard_dense + expert / shard_expert)
-            kept = [(n, self._activation_bytes(moe)) for moe, n in kinds]
-            held = max(1.0, min(self._inflight(j), self.num_microbatches))
-            if lay.recompute == "full":
-                one = sum(n * k[1] for n, k in kept)
-                working = max(k[0] for _, k in kept)
-            else:
-                one = sum(n * k[0] for n, k in kept)
-                working = 0.0
-            logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
-            workspace = WORKSPACE_BYTES + max(working, logits) + gathered
-            breakdown = MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one, workspace)
+            breakdown = self._stage_memory(j, layers)
             if worst is None or breakdown.total > worst.total:
                 worst = breakdown
         return worst
+
+    def _stage_memory(self, j: int, layers: list[int]) -> MemoryBreakdown:
+        """Peak memory per device of stage j, by part."""
+        lay, model = self.layout, self.model
+        first, last = j == 0, j == lay.pp - 1
+        dense, expert = self._stage_params(layers, first, last)
+        kinds = self._kind_counts(layers)
+        params = dense + expert
+        group = lay.dp * lay.cp
+        weights = params * self.bytes
+        gradients = params * self._grad_bytes
+        gathered = 0.0
+        if lay.fsdp:  # sharded fp32 master copy in the optimizer state; two layers gathered at a time
+            weights, gradients = 0.0, gradients / group
+            gathered = 2 * max(model.block_params(moe) for moe, _ in kinds) / lay.tp * self.bytes
+        per_param_state = {"adam": 12, "sgd": 4}.get(self.job.optimizer, 12)
+        if self.job.dtype is DType.F32:
+            per_param_state -= 4  # no separate fp32 master copy
+        shard_dense = group if lay.distributed_optimizer or lay.fsdp else 1
+        shard_expert = max(1, group // lay.ep) if lay.distributed_optimizer or lay.fsdp else 1
+        optimizer = per_param_state * (dense / shard_dense + expert / shard_expert)
+        kept = [(n, self._activation_bytes(moe)) for moe, n in kinds]
+        held = self._held(j)
+        if lay.recompute == "full":
+            one = sum(n * k[1] for n, k in kept)
+            working = max(k[0] for _, k in kept)
+        else:
+            one = sum(n * k[0] for n, k in kept)
+            working = 0.0
+        logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
+        workspace = WORKSPACE_BYTES + max(working, logits) + gathered
+        return MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one, workspace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,7 +604,7 @@ def search_layouts(job: TrainingJob, cluster: Cluster, efficiency: KernelEfficie
         if check_layout(job, cluster, layout):
             continue
         count += 1
-        pricer = _Pricer(job, cluster, layout, efficiency)
+        pricer = LayoutPricer(job, cluster, layout, efficiency)
         needed = pricer.memory().total
         if needed > capacity and leanest is not None and needed >= leanest.memory.total:
             continue  # neither a candidate nor the leanest: its time is not needed

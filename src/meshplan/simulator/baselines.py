@@ -9,12 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.kernels import ADAM_STATE_BYTES
 from meshplan.distributed import TaskRunner
 from meshplan.inter import InterPlan, LayerCosts, ViewCosts, get_schedule
-from meshplan.inter.stages import RECOMPUTE_CHOICES, StageEstimate, estimate_stage, handoff_time, leanest_memory
+from meshplan.inter.search import iteration_comm
+from meshplan.inter.stages import (
+    RECOMPUTE_CHOICES,
+    IterationComm,
+    StageEstimate,
+    estimate_stage,
+    handoff_time,
+    leanest_memory,
+)
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.planner import PipelinePlan, Priced, capacity
-from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, price_tasks
+from meshplan.simulator.planner import PipelinePlan, Priced, capacity, inter_options
+from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, planner_views, price_tasks
 
 _ONE_F_ONE_B = get_schedule("1f1b")
 
@@ -50,12 +59,8 @@ def _stage_shape(cluster: Cluster, devices: int) -> tuple[int, int] | None:
 
 
 def _view_index(cluster: Cluster, shape: tuple[int, int], logical: tuple[int, int]) -> int | None:
-    devices = logical[0] * logical[1]
-    for index, view in enumerate(cluster.logical_views(shape)):
-        # One of the two axes has a single device: the 1-D view of the sub-mesh.
-        if view.shape == logical or (1 in logical and view.shape == (1, devices)):
-            return index
-    return None
+    """The planner view (data-parallel, tensor-parallel) = `logical` of the sub-mesh."""
+    return next((i for i, view in enumerate(planner_views(cluster, shape)) if view.shape == logical), None)
 
 
 def _task(job: TrainingJob, cluster: Cluster, key: ViewKey, options: PlannerOptions, lean: bool = True) -> PricingTask:
@@ -101,12 +106,16 @@ def uniform_pipeline(job: TrainingJob, cluster: Cluster, view: ViewCosts, pp: in
     layers, num_microbatches = job.model.layers, job.global_batch // b
     costs = LayerCosts((view,), handoff_bytes(job, b))
     bounds = [round(j * layers / pp) for j in range(pp + 1)]
+    per_node = cluster.devices_per_node
     stages = []
     for j in range(pp):
         last = bounds[j + 1] - 1
-        transfer = handoff_time(costs, view, last, cluster)
+        # Stages take consecutive devices: a partial-node stage hands off inside its node unless
+        # the next stage starts a new one.
+        in_node = view.devices < per_node and ((j + 1) * view.devices) % per_node != 0
+        transfer = handoff_time(costs, view, last, cluster, in_node, options.kernels.link)
         estimate = estimate_stage(view, bounds[j], last, pp - j, num_microbatches, capacity(cluster, options),
-                                  transfer, _ONE_F_ONE_B, recompute)
+                                  transfer, _ONE_F_ONE_B, recompute, _iteration(cluster, options))
         if estimate is None:
             return None
         if chunks > 1 and j < pp - 1:  # each chunk boundary is one more send and receive
@@ -139,7 +148,7 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
     Adam state sharded over all devices, the same communication volume)."""
     devices = cluster.num_devices
     shape = (cluster.nodes, cluster.devices_per_node)
-    index = _view_index(cluster, shape, (1, devices))
+    index = _view_index(cluster, shape, (devices, 1))
     b = next((d for d in range(devices, job.global_batch + 1, devices) if job.global_batch % d == 0), None)
     if index is None or b is None:
         reason = f"the global batch {job.global_batch} cannot be split evenly over {devices} devices"
@@ -153,10 +162,12 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
     usable = capacity(cluster, options)
     config = f"dp={devices} micro-batch={b} ({b // devices} per device)"
     last = job.model.layers - 1
-    plain = estimate_stage(view, 0, last, 1, num_microbatches, usable, 0.0, _ONE_F_ONE_B)
-    # ZeRO-2 keeps the bf16 weights (2 of 16 bytes per parameter) and shards the other 14.
-    saved = _static(view) * (1 - (2 + 14 / devices) / 16)
-    zero = estimate_stage(view, 0, last, 1, num_microbatches, usable + saved, 0.0, _ONE_F_ONE_B)
+    iteration = _iteration(cluster, options)
+    plain = estimate_stage(view, 0, last, 1, num_microbatches, usable, 0.0, _ONE_F_ONE_B, iteration=iteration)
+    # ZeRO-2 keeps the weights and shards the gradients and Adam state over every device.
+    weight, held = job.dtype.itemsize, job.dtype.itemsize + _gradient_bytes(job, options) + ADAM_STATE_BYTES
+    saved = _static(view) * (1 - (weight + (held - weight) / devices) / held)
+    zero = estimate_stage(view, 0, last, 1, num_microbatches, usable + saved, 0.0, _ONE_F_ONE_B, iteration=iteration)
     need = leanest_memory(view, 0, last, 1, num_microbatches, _ONE_F_ONE_B)
     results = []
     for name, stage, extra in (("data-parallel", plain, 0.0), ("zero-2", zero, saved)):
@@ -167,6 +178,14 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
             stage = replace(stage, memory=stage.memory - extra)
             results.append(Baseline(name, _single_stage(stage, b, num_microbatches, name), config=config))
     return results[0], results[1]
+
+
+def _iteration(cluster: Cluster, options: PlannerOptions) -> IterationComm:
+    return iteration_comm(cluster, inter_options(cluster, options))
+
+
+def _gradient_bytes(job: TrainingJob, options: PlannerOptions) -> int:
+    return 4 if options.fp32_grads and job.dtype.itemsize < 4 else job.dtype.itemsize
 
 
 def _single_stage(stage: StageEstimate, b: int, num_microbatches: int, label: str) -> PipelinePlan:

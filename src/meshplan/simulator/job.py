@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
 from meshplan.errors import ModelSpecError, OptionsError
 from meshplan.ir import DType
 from meshplan.models.training import OPTIMIZERS
@@ -64,6 +65,12 @@ class PlannerOptions:
             1F1B, InterOptions.chunks).
         node_local_sends: consecutive stages placed in one node hand off on its link
             (InterOptions.node_local_sends).
+        kernels: the kernel and link efficiencies (meshplan.cost.kernels; the closed-form
+            layouts are priced with the same set).
+        fp32_grads: gradients accumulated, held and reduced in fp32 (Megatron's default, as the
+            closed-form layouts price them unless `fp32grads=off`).
+        overlap: gradient reductions overlapped with the last micro-batch's backward pass
+            (InterOptions.overlap_tail).
     """
 
     efficiency: float = 0.5
@@ -77,6 +84,9 @@ class PlannerOptions:
     reduce_scatter: bool = True
     chunks: tuple[int, ...] = (1, 2, 4)
     node_local_sends: bool = True
+    kernels: KernelEfficiency = DEFAULT_EFFICIENCY
+    fp32_grads: bool = True
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:

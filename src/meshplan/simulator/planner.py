@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.kernels import WORKSPACE_BYTES
 from meshplan.distributed import TaskRunner, make_executor
 from meshplan.errors import InfeasiblePlanError, OptionsError
 from meshplan.inter import InterOptions, InterPlan, LayerCosts, plan_pipeline
@@ -26,6 +27,7 @@ from meshplan.simulator.pricing import (
     batch_axis,
     build_pieces,
     handoff_bytes,
+    planner_views,
     price_tasks,
 )
 
@@ -76,8 +78,9 @@ def microbatch_candidates(global_batch: int, nodes: int, limit: int) -> tuple[in
 
 
 def capacity(cluster: Cluster, options: PlannerOptions) -> float:
-    """Bytes per device plans may use."""
-    return cluster.device.memory_bytes * options.memory_fraction
+    """Bytes per device a stage's tensors may take: the usable share of the device less the
+    runtime's workspace (the closed form counts the same WORKSPACE_BYTES)."""
+    return cluster.device.memory_bytes * options.memory_fraction - WORKSPACE_BYTES
 
 
 def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: PlannerOptions) -> list[PricingTask]:
@@ -88,7 +91,7 @@ def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: Planner
     for shape in cluster.submesh_shapes():
         if b % shape[0]:
             continue
-        for index, view in enumerate(cluster.logical_views(shape)):
+        for index, view in enumerate(planner_views(cluster, shape)):
             if b % view.shape[batch_axis(view)] == 0:
                 tasks.append(PricingTask(ViewKey("view", b, shape, index), job, cluster, num_microbatches, options))
     return tasks
@@ -103,7 +106,9 @@ def layer_costs(job: TrainingJob, b: int, priced: Priced, kind: str = "view") ->
 
 def inter_options(cluster: Cluster, options: PlannerOptions) -> InterOptions:
     return InterOptions(capacity_bytes=capacity(cluster, options), relative_bucket=options.relative_bucket,
-                        chunks=options.chunks, node_local_sends=options.node_local_sends)
+                        chunks=options.chunks, node_local_sends=options.node_local_sends,
+                        link_efficiency=options.kernels.link, bucket_collectives=options.gemm_curve,
+                        overlap_tail=options.kernels.dp_overlap_tail if options.overlap else None)
 
 
 def plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None = None,

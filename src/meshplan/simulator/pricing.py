@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
-from meshplan.cost.kernels import DEFAULT_EFFICIENCY
+from meshplan.cost.collectives import CollectiveCosts
+from meshplan.cost.fusion import FORWARD, fuse, is_attention, training_pass
+from meshplan.cost.kernels import KernelCosts
 from meshplan.cost.model import CostModel
 from meshplan.distributed import Task, TaskRunner, run_tasks
 from meshplan.errors import InfeasiblePlanError
@@ -48,60 +50,101 @@ _PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
 
 Progress = Callable[[str, int, int], None]
 # Part of every task's cache key: raise it when pricing changes what a task returns.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+# The op-level cost model's name and version (Prediction.cost_model): per-op strategies priced on
+# the operator graph with the kernel and link models of meshplan.cost; FLAT: every op at one
+# efficiency (`gemm_curve` off).
+GRAPH = "graph/1"
+FLAT = "flat/1"
 
 
-def training_parts(piece: PieceGraph) -> TrainingParts:
-    """Where a piece's training graph splits, and what it holds across micro-batches."""
+@dataclass(frozen=True, slots=True)
+class PiecePricing:
+    """How pieces are priced beyond the flat rate.
+
+    Attributes:
+        kernels: the device's kernel models (GEMM curve, fused attention, memory-bound kernels
+            under fusion, node-aware links); None: every op at `flops_per_second` and the
+            per-axis alpha-beta links (the uncalibrated model, `--no-gemm-curve`).
+        gradient_bytes: bytes per element of accumulated gradients (4: fp32 main gradients);
+            None: the gradients' own dtype.
+    """
+
+    kernels: KernelCosts | None = None
+    gradient_bytes: int | None = None
+
+
+def training_parts(piece: PieceGraph, pricing: PiecePricing = PiecePricing()) -> TrainingParts:
+    """Where a piece's training graph splits, and what it holds across micro-batches (with
+    kernel models: the values fused kernels keep for the backward pass, meshplan.cost.fusion)."""
     graph = piece.graph
     inputs = tuple(n.id for n in graph.parameters() if n.name in _PER_MICROBATCH_INPUTS)
     held = tuple(v for v in range(len(graph)) if graph[v].attr("accumulated") and graph[v].kind not in _PASS_THROUGH)
     activations = tuple(v for v in inputs if graph[v].name == "activations")
-    return TrainingParts(piece.forward_end, piece.backward_end, piece.weights, inputs, activations, held)
+    parts = TrainingParts(piece.forward_end, piece.backward_end, piece.weights, inputs, activations, held)
+    if pricing.kernels is None:
+        return parts
+    fusion = fuse(graph, pricing.kernels.flash)
+    arriving = set(inputs) - set(activations)  # cotangents, labels: they come with the step that reads them
+    saved = tuple(sorted(v for v in fusion.kept if v not in set(piece.weights) | arriving))
+    attention = tuple(n.id for n in graph.nodes[: piece.forward_end + 1] if is_attention(n))
+    fp8 = tuple(v for v in saved if pricing.kernels.fp8 and _gemm_input(graph, v)) if pricing.kernels.fp8 else ()
+    return replace(parts, saved=saved, attention_saved=tuple(sorted(fusion.kept_by_attention)), attention=attention,
+                   fp8_saved=fp8)
+
+
+def _gemm_input(graph, value: int) -> bool:
+    """A value a forward GEMM reads (saved in fp8 when GEMMs run in fp8, as Transformer Engine
+    keeps the cast copy)."""
+    return any(graph[u].kind is OpKind.DOT and not is_attention(graph[u]) and training_pass(graph[u]) == FORWARD
+               for u in graph.users(value))
 
 
 def profile_piece(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                   memory_price: float = 0.0, time_limit: float = 30.0,
                   force_batch_axis: int | None = 0, reduce_scatter: bool = False,
-                  gemm_peak: float | None = None) -> tuple[LayerCost, IntraPlan]:
+                  pricing: PiecePricing = PiecePricing()) -> tuple[LayerCost, IntraPlan]:
     """Solve the piece's sharding on `mesh` (no memory limit: the stage DP checks memory) and
-    read its costs off the plan; `reduce_scatter` as in IntraOptions; with `gemm_peak`,
-    contractions are priced from their shapes (meshplan.cost.kernels) at that peak."""
-    options = _piece_options(flops_per_second, num_microbatches, memory_price, time_limit, force_batch_axis,
-                             reduce_scatter, gemm_peak)
+    read its costs off the plan; `reduce_scatter` as in IntraOptions; `pricing` the kernel
+    models (meshplan.cost.kernels)."""
+    options = piece_options(flops_per_second, num_microbatches, memory_price, time_limit, force_batch_axis,
+                            reduce_scatter, pricing)
     plan = solve_intra(piece.graph, mesh.with_memory(None), options)
-    return layer_cost(piece.graph, plan, training_parts(piece), num_microbatches), plan
+    return layer_cost(piece.graph, plan, training_parts(piece, pricing), num_microbatches), plan
 
 
-def _piece_options(flops_per_second: float, num_microbatches: int, memory_price: float, time_limit: float,
-                   force_batch_axis: int | None, reduce_scatter: bool, gemm_peak: float | None) -> IntraOptions:
-    return IntraOptions(cost=CostModel(flops_per_second=flops_per_second, accumulation_weight=1.0 / num_microbatches,
-                                       memory_price=memory_price, activation_price=ACTIVATION_PRICE,
-                                       gemm=DEFAULT_EFFICIENCY if gemm_peak else None, gemm_peak=gemm_peak),
+def piece_options(flops_per_second: float, num_microbatches: int, memory_price: float, time_limit: float,
+                  force_batch_axis: int | None, reduce_scatter: bool, pricing: PiecePricing) -> IntraOptions:
+    """The intra-op options a piece is priced with."""
+    kernels = pricing.kernels
+    links = CollectiveCosts(link_efficiency=kernels.efficiency.link if kernels else None)
+    return IntraOptions(cost=CostModel(links, flops_per_second=flops_per_second,
+                                       accumulation_weight=1.0 / num_microbatches, memory_price=memory_price,
+                                       activation_price=ACTIVATION_PRICE, kernels=kernels,
+                                       gradient_bytes=pricing.gradient_bytes),
                         force_batch_dim_to_mesh_dim=force_batch_axis, time_limit=time_limit, mip_gap=1e-4,
                         reduce_scatter=reduce_scatter)
 
 
 def profile_menu(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                  prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
-                 reduce_scatter: bool = False, gemm_peak: float | None = None) -> tuple[LayerCost, ...]:
+                 reduce_scatter: bool = False, pricing: PiecePricing = PiecePricing()) -> tuple[LayerCost, ...]:
     """Pareto-style menu: the fastest plan and plans that hold less memory for more time."""
     return tuple(cost for cost, _ in menu_plans(piece, mesh, flops_per_second, num_microbatches, prices,
-                                                force_batch_axis, reduce_scatter, gemm_peak))
+                                                force_batch_axis, reduce_scatter, pricing))
 
 
 def menu_plans(piece: PieceGraph, mesh: LogicalMesh, flops_per_second: float, num_microbatches: int,
                prices: tuple[float, ...] = MEMORY_PRICES, force_batch_axis: int | None = 0,
                reduce_scatter: bool = False,
-               gemm_peak: float | None = None) -> tuple[tuple[LayerCost, IntraPlan], ...]:
+               pricing: PiecePricing = PiecePricing()) -> tuple[tuple[LayerCost, IntraPlan], ...]:
     """`profile_menu`'s entries with the intra-op plan each was read from (one enumeration of
     strategies for every price: `solve_intra_prices`)."""
     unit = max(mesh.beta)
     factors = (0.0, *(f for f in prices if f > 0))
-    options = _piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter,
-                             gemm_peak)
+    options = piece_options(flops_per_second, num_microbatches, 0.0, 30.0, force_batch_axis, reduce_scatter, pricing)
     plans = solve_intra_prices(piece.graph, mesh.with_memory(None), options, tuple(f * unit for f in factors))
-    parts = training_parts(piece)
+    parts = training_parts(piece, pricing)
     menu: list[tuple[LayerCost, IntraPlan]] = []
     for plan in plans:
         cost = layer_cost(piece.graph, plan, parts, num_microbatches)
@@ -157,20 +200,21 @@ def price_view(task: PricingTask) -> ViewCosts:
     """Profile the block(s), embedding and head of the job on one view; the embedding is stacked
     onto the first layer and the head onto the last."""
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
-    mesh = cluster.logical_views(key.submesh)[key.view_index]
+    mesh = planner_views(cluster, key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
-    gemm_peak = gemm_curve_peak(cluster, options)
+    pricing = piece_pricing(job, cluster, options)
     axis = batch_axis(mesh)
     blocks, embed, head = piece_graphs(job.model, key.microbatch_size, job.seq_len, job.dtype, job.optimizer)
 
     def menu(graph: PieceGraph) -> tuple[LayerCost, ...]:
         if task.lean:
             return profile_menu(graph, mesh, flops, task.num_microbatches, LEAN_PRICES, axis, options.reduce_scatter,
-                                gemm_peak)
+                                pricing)
         return (profile_piece(graph, mesh, flops, task.num_microbatches, force_batch_axis=axis,
-                              reduce_scatter=options.reduce_scatter, gemm_peak=gemm_peak)[0],)
+                              reduce_scatter=options.reduce_scatter, pricing=pricing)[0],)
 
-    menus = {moe: menu(g) for moe, g in blocks.items()}
+    overhead = layer_overhead(options)
+    menus = {moe: tuple(replace(c, time=c.time + overhead) for c in menu(g)) for moe, g in blocks.items()}
     layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
     layers[0] = _stacked(menu(embed), layers[0])
     layers[-1] = _stacked(layers[-1], menu(head))
@@ -189,14 +233,50 @@ def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
     return (float(per_boundary),) * (job.model.layers - 1)
 
 
-def gemm_curve_peak(cluster: Cluster, options: PlannerOptions) -> float | None:
-    """The peak contractions are priced against on the GEMM curve (None: at `options.efficiency`)."""
-    return cluster.device.peak_flops if options.gemm_curve else None
+def layer_overhead(options: PlannerOptions) -> float:
+    """Launch and framework seconds per block and micro-batch, paid in its backward pass as the
+    closed form pays them (KernelEfficiency.per_layer_overhead_s; none under the flat rate)."""
+    return options.kernels.per_layer_overhead_s if options.gemm_curve else 0.0
+
+
+def cost_model_name(options: PlannerOptions) -> str:
+    """The name and version of the cost model the planner prices with."""
+    return GRAPH if options.gemm_curve else FLAT
+
+
+def piece_pricing(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> PiecePricing:
+    """The kernel models the planner prices pieces with (the flat rate without `gemm_curve`):
+    fused attention where the device has it, fp32 main gradients unless turned off."""
+    if not options.gemm_curve:
+        return PiecePricing()
+    kernels = KernelCosts(cluster.device, options.kernels, flash=cluster.device.flash_attention)
+    low_precision = job.dtype.itemsize < 4
+    return PiecePricing(kernels, 4 if options.fp32_grads and low_precision else None)
 
 
 def batch_axis(mesh: LogicalMesh) -> int:
-    """The axis a stage splits its micro-batch over: the first axis with several devices."""
-    return next((a for a, s in enumerate(mesh.shape) if s > 1), 0)
+    """The axis a stage splits its micro-batch over (Alpa's force_batch_dim_to_mesh_dim): the
+    first; a view with one device there keeps its micro-batch whole."""
+    del mesh
+    return 0
+
+
+def planner_views(cluster: Cluster, shape: tuple[int, int]) -> tuple[LogicalMesh, ...]:
+    """The logical views the planner prices sub-mesh `shape` on (the micro-batch split over
+    axis 0): those of `Cluster.logical_views`, the one-axis view read as data parallelism over
+    every device, (D, 1); and for a sub-mesh inside one node also (1, D): every device on the
+    second axis with the micro-batch whole, i.e. tensor parallelism alone (Megatron's stage of
+    one node at micro-batch 1)."""
+    views = []
+    for view in cluster.logical_views(shape):
+        if view.shape[0] == 1 and view.shape[1] > 1:
+            views.append(LogicalMesh((view.shape[1], 1), view.alpha[::-1], view.beta[::-1], view.memory_per_device,
+                                     view.device_ids, view.topology))
+            if shape[0] == 1:
+                views.append(view)
+        else:
+            views.append(view)
+    return tuple(views)
 
 
 @functools.lru_cache(maxsize=64)

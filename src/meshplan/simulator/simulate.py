@@ -13,13 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cost.kernels import WORKSPACE_BYTES
 from meshplan.distributed import TaskRunner
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.placement import place_submeshes
 from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
 from meshplan.simulator.analytic import LayoutPrediction, LayoutSearch, search_layouts
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
+from meshplan.simulator.graph_pricing import GraphPricer
 from meshplan.simulator.job import PlannerOptions, TrainingJob
+from meshplan.simulator.layout import parse_layout
 from meshplan.simulator.planner import (
     PipelinePlan,
     PlannerStats,
@@ -29,8 +32,8 @@ from meshplan.simulator.planner import (
     plan_training,
     planned_microbatch_sizes,
 )
-from meshplan.simulator.pricing import task_name
-from meshplan.simulator.stage_plans import with_stage_plans
+from meshplan.simulator.pricing import GRAPH, cost_model_name, layer_overhead, task_name
+from meshplan.simulator.stage_plans import PlannedPiece, block_runs, replayed, with_pieces, with_stage_plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +62,16 @@ class Simulation:
         return self.plan.to_dict()
 
 
-def to_plan(pipeline: PipelinePlan, job: TrainingJob, cluster: Cluster) -> Plan:
-    """A simulated pipeline as a Plan, its stages placed on the cluster."""
+def to_plan(pipeline: PipelinePlan, job: TrainingJob, cluster: Cluster, cost_model: str = GRAPH) -> Plan:
+    """A simulated pipeline as a Plan, its stages placed on the cluster (each stage's memory
+    with the runtime's workspace); `cost_model` names the pricer."""
     stages = _placed(pipeline, cluster)
     inter = pipeline.inter
     seconds = inter.iteration_time
     tflops = job.model_flops / seconds / cluster.num_devices / 1e12
     prediction = Prediction(seconds, inter.pipeline_time, inter.sync_time, job.tokens / seconds, tflops,
-                            tflops * 1e12 / cluster.device.peak_flops, max(s.memory for s in inter.stages))
+                            tflops * 1e12 / cluster.device.peak_flops, max(s.memory_bytes for s in stages),
+                            cost_model)
     return Plan("simulate", job.model.name, stages, inter.schedule, inter.num_microbatches, inter.chunks,
                 pipeline.microbatch_size, job.global_batch, job.seq_len, job.model.num_params(),
                 (cluster.nodes, cluster.devices_per_node), cluster.device.name, prediction, pipeline.label,
@@ -81,7 +86,7 @@ def _placed(pipeline: PipelinePlan, cluster: Cluster) -> tuple[Stage, ...]:
         origins = origins or [(0, 0)] * len(estimates)  # tiling was checked before; keep the plan readable
         devices = [cluster.submesh_ids(s.submesh, o) for s, o in zip(estimates, origins, strict=True)]
     return tuple(Stage(s.first, s.last, ids, s.view, s.submesh, None, "fastest" if s.menu == 0 else f"lean-{s.menu}",
-                       s.recompute, s.latency, s.memory, s.inflight, s.sync_time, s.update_time)
+                       s.recompute, s.latency, s.memory + WORKSPACE_BYTES, s.inflight, s.sync_time, s.update_time)
                  for s, ids in zip(estimates, devices, strict=True))
 
 
@@ -94,13 +99,17 @@ def layout_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, lab
     bounds = [round(j * job.model.layers / lay.pp) for j in range(lay.pp + 1)]
     per_node = cluster.devices_per_node
     submesh = (math.ceil(per_stage / per_node), per_node) if per_stage >= per_node else (1, per_stage)
+    # Every stage waits for the slowest stage's gradient sync and optimizer step, as the
+    # closed form charges them to the iteration.
+    parts = dict(found.breakdown)
+    sync, update = parts["exposed data-parallel communication"], parts["optimizer step"]
     stages = tuple(Stage(bounds[j], bounds[j + 1] - 1, tuple(range(j * per_stage, (j + 1) * per_stage)),
                          (lay.dp * lay.cp, lay.tp), submesh, None, "layout", lay.recompute, found.stage_times[j],
-                         found.memory.total, None) for j in range(lay.pp))
+                         found.memory.total, None, sync, update) for j in range(lay.pp))
     seconds = found.iteration_time
     tflops = found.model_flops / seconds / cluster.num_devices / 1e12
     prediction = Prediction(seconds, found.pipeline_time, found.sync_time, job.tokens / seconds, tflops, found.mfu,
-                            found.memory.total)
+                            found.memory.total, found.cost_model)
     low, high = found.time_range
     metrics = (("time_range.low_s", low), ("time_range.high_s", high),
                *((f"memory.{name}", value) for name, value in found.memory.items()),
@@ -117,6 +126,79 @@ def layout_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, lab
                 (cluster.nodes, cluster.devices_per_node), cluster.device.name, prediction, label,
                 options=(("layout", lay.text()), ("dtype", job.dtype.short_name), ("optimizer", job.optimizer)),
                 metrics=metrics, notes=notes)
+
+
+def _recipe_plan(found: LayoutPrediction, job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> Plan:
+    """The closed-form layout search's best layout priced on the operator graph (the auto plan's
+    cost model), with its pieces' plans, and its closed-form time in the metrics."""
+    pricer = GraphPricer(job, cluster, found.layout, options.kernels)
+    plan = layout_plan(pricer.predict(options.memory_fraction), job, cluster, "layout-search")
+    stages = tuple(_layout_stage(stage, pricer, job, options) for stage in plan.stages)
+    # The schedule replayed on the stages' own forward and backward seconds, as the auto plan's
+    # (the closed form's bubble is an upper bound); the difference leaves the bubble.
+    closed_form = plan.prediction.pipeline_time_s
+    plan = replayed(replace(plan, stages=stages))
+    shorter = closed_form - plan.prediction.pipeline_time_s
+    metrics = tuple((name, value - shorter if name == "time.pipeline bubble" else value)
+                    for name, value in plan.metrics)
+    return replace(plan, metrics=metrics + (("formula_s", found.iteration_time),))
+
+
+def _layout_stage(stage: Stage, pricer: GraphPricer, job: TrainingJob, options: PlannerOptions) -> Stage:
+    """A stage of a graph-priced layout with its pieces' plans and times, as the auto plan's."""
+    def planned(name: str) -> PlannedPiece:
+        priced = pricer.pieces[name]
+        return PlannedPiece(name, priced.piece, priced.plan, priced.cost.attention_forward_time)
+
+    blocks = {moe: pricer.pieces["moe-block" if moe else "block"].piece for moe in (False, True)
+              if ("moe-block" if moe else "block") in pricer.pieces}
+    ranges = [(planned("embedding"), 0, 0)] if stage.first_layer == 0 else []
+    ranges += [(planned(name), first, last) for name, _, first, last in
+               block_runs(job, blocks, stage.first_layer, stage.last_layer)]
+    if stage.last_layer == job.model.layers - 1:
+        ranges.append((planned("head"), stage.last_layer, stage.last_layer))
+    return with_pieces(stage, ranges, layer_overhead(options))[0]
+
+
+def _recipe_note(recipe: Plan, dp_plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> str:
+    """Why the layout search's recipe is the auto plan: its time against the stage DP's, and the
+    techniques of the recipe the stage DP does not search."""
+    layout = parse_layout(recipe.option("layout"))
+    lacks = []
+    if layout.cp > 1:
+        lacks.append(f"context parallelism (cp={layout.cp})")
+    if layout.ep > 1:
+        lacks.append(f"expert parallelism (ep={layout.ep})")
+    global_microbatch = layout.dp * layout.mb
+    sizes = planned_microbatch_sizes(job, cluster, options)
+    if global_microbatch not in sizes:
+        priced = ", ".join(map(str, sizes))
+        lacks.append(f"micro-batches of {global_microbatch} sequences (the stage DP priced {priced})")
+    if layout.vp > 1 and layout.vp not in options.chunks:
+        lacks.append(f"{layout.vp} model chunks per device")
+    why = "; the stage DP does not search " + ", ".join(lacks) if lacks else \
+        " (its per-stage costs and memory rule are the stage DP's approximations of the same plan)"
+    ratio = dp_plan.prediction.iteration_time_s / recipe.prediction.iteration_time_s
+    return (f"taken from the layout search ({recipe.option('layout')}), priced on the operator graph: "
+            f"{recipe.prediction.iteration_time_s:.4g} s against {dp_plan.prediction.iteration_time_s:.4g} s "
+            f"for the stage DP's own plan ({ratio:.3f}x){why}")
+
+
+def _fastest_exact_baseline(found: list[Baseline]) -> Baseline | None:
+    """The fastest baseline whose plan is one of the stage DP's candidates as priced (the
+    Megatron grid, plain data parallelism; ZeRO-2's memory is the formula's, not a plan's)."""
+    exact = [b for b in found if b.plan is not None and b.name in ("megatron", "data-parallel")]
+    return min(exact, key=lambda b: b.plan.iteration_time, default=None)
+
+
+def _beside_best_recipe(auto: Plan, name: str, recipe: Plan, job: TrainingJob, cluster: Cluster,
+                        options: PlannerOptions) -> Plan:
+    """`auto` with the fastest recipe's name and time breakdown (metrics `recipe_time.*`, the
+    same parts as its own `time.*`), to show side by side."""
+    if not recipe.metrics_under("time."):  # a pipeline baseline: its breakdown from its stage plans
+        recipe = with_stage_plans(recipe, job, cluster, options)
+    breakdown = tuple((f"recipe_time.{part}", seconds) for part, seconds in recipe.metrics_under("time.").items())
+    return replace(auto, metrics=auto.metrics + breakdown, options=auto.options + (("best_recipe", name),))
 
 
 def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> str:
@@ -184,24 +266,40 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
         found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
         found.extend(evaluate_data_parallel(job, cluster, options, priced, runner))
         stats.timed("baselines", start)
-    results = tuple(BaselineResult(b.name, b.config, to_plan(b.plan, job, cluster) if b.plan else None, b.reason)
+    model = cost_model_name(options)
+    results = tuple(BaselineResult(b.name, b.config, to_plan(b.plan, job, cluster, model) if b.plan else None,
+                                   b.reason)
                     for b in found)
-    auto = to_plan(best, job, cluster)
-    grid = next((b for b in found if b.name == "megatron" and b.plan is not None), None)
-    if grid is not None and grid.plan.iteration_time < best.iteration_time:
-        # Uniform grid points are plans of the auto search space too; the stage DP prices sync
-        # per stage approximately and can miss them by a little.
-        auto = replace(to_plan(replace(grid.plan, label="auto"), job, cluster),
-                       notes=(f"taken from the Megatron grid ({grid.config}): "
+    auto = to_plan(best, job, cluster, model)
+    taken = _fastest_exact_baseline(found)
+    if taken is not None and taken.plan.iteration_time < best.iteration_time:
+        # Megatron grid points and plain data parallelism are plans of the auto search space
+        # too; the stage DP prices sync per stage approximately and can miss them by a little.
+        auto = replace(to_plan(replace(taken.plan, label="auto"), job, cluster, model),
+                       notes=(f"taken from the {taken.name} baseline ({taken.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
     start = time.perf_counter()
     auto = with_stage_plans(auto, job, cluster, options)
     stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
-    if search.best is not None:  # priced in closed form (meshplan.simulator.analytic), not by the ILP
-        summaries += (BaselineSummary("layout-search", f"closed form: {search.best.layout.text()}",
-                                      layout_plan(search.best, job, cluster, "layout-search").prediction),)
+    recipes = [(f"{r.name} {r.config}", r.plan) for r in results if r.plan is not None]
+    if search.best is not None:
+        start = time.perf_counter()
+        recipe = _recipe_plan(search.best, job, cluster, options)
+        stats.timed("layout search on the graph", start)
+        summaries += (BaselineSummary("layout-search", recipe.option("layout"), recipe.prediction),)
+        fits = recipe.prediction.peak_memory_bytes <= capacity(cluster, options) + WORKSPACE_BYTES
+        if fits:
+            recipes.append((f"layout-search {recipe.option('layout')}", recipe))
+        if fits and recipe.prediction.iteration_time_s < auto.prediction.iteration_time_s:
+            auto = replace(recipe, label="auto", notes=(_recipe_note(recipe, auto, job, cluster, options),
+                                                        *recipe.notes))
+    if recipes:
+        start = time.perf_counter()
+        name, fastest = min(recipes, key=lambda r: r[1].prediction.iteration_time_s)
+        auto = _beside_best_recipe(auto, name, fastest, job, cluster, options)
+        stats.timed("stage plans", start)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
     failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"
                    for r in priced.values() if r.costs is None)

@@ -14,12 +14,24 @@ from dataclasses import dataclass, replace
 
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
+from meshplan.cost.fusion import BOUNDARY
+from meshplan.inter.costs import layer_cost, resharding_seconds
 from meshplan.inter.schedules import RUNNABLE_SCHEDULES, replayed_latency
 from meshplan.intra.plan import IntraPlan
 from meshplan.models.training import PieceGraph
 from meshplan.plan import Plan, Stage, StagePiece
+from meshplan.simulator.analytic import TIME_PARTS
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.pricing import LEAN_PRICES, batch_axis, gemm_curve_peak, menu_plans, piece_graphs
+from meshplan.simulator.pricing import (
+    LEAN_PRICES,
+    batch_axis,
+    layer_overhead,
+    menu_plans,
+    piece_graphs,
+    piece_pricing,
+    planner_views,
+    training_parts,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +47,14 @@ class PieceTimes:
 def piece_times(piece: PieceGraph, plan: IntraPlan) -> PieceTimes:
     """Per micro-batch seconds of the plan (gradient sync and the optimizer step, once per
     iteration, are left out as `layer_cost` leaves them out of a layer's time)."""
-    reshard = [0.0] * len(plan.nodes)
-    for r in plan.reshardings:
-        reshard[r.consumer_id] += sum(c.cost for c in r.collectives)
+    reshard = resharding_seconds(piece.graph, plan, piece.forward_end)
     times = [0.0, 0.0, 0.0, 0.0]
     for chosen in plan.nodes:
         if chosen.node > piece.backward_end:
             continue  # the optimizer step
-        own = 0.0 if "accumulated" in chosen.tags else sum(c.cost for c in chosen.collectives)
+        node = piece.graph[chosen.node]
+        silent = node.attr("accumulated") or node.attr("kernel") == BOUNDARY
+        own = 0.0 if silent else sum(c.cost for c in chosen.collectives)
         backward = 2 if chosen.node > piece.forward_end else 0
         times[backward] += chosen.compute
         times[backward + 1] += own + reshard[chosen.node]
@@ -50,13 +62,33 @@ def piece_times(piece: PieceGraph, plan: IntraPlan) -> PieceTimes:
 
 
 def with_stage_plans(plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> Plan:
-    """`plan` with every stage's pieces, forward seconds and compute / communication split."""
-    solved: dict[tuple, tuple[IntraPlan, PieceTimes]] = {}
-    stages = tuple(_stage(stage, plan, job, cluster, options, solved) for stage in plan.stages)
-    return _replayed(replace(plan, stages=stages))
+    """`plan` with every stage's pieces, forward seconds and compute / communication split, and
+    its time breakdown (metrics `time.*`, the parts the closed form reports)."""
+    solved: dict[tuple, PlannedPiece] = {}
+    split = [_stage(stage, plan, job, cluster, options, solved) for stage in plan.stages]
+    timed = replayed(replace(plan, stages=tuple(stage for stage, _ in split)))
+    breakdown = time_breakdown(timed, [again for _, again in split])
+    return replace(timed, metrics=timed.metrics + tuple((f"time.{n}", v) for n, v in breakdown))
 
 
-def _replayed(plan: Plan) -> Plan:
+def time_breakdown(plan: Plan, recompute_s: list[float]) -> tuple[tuple[str, float], ...]:
+    """Seconds per iteration by part (analytic.TIME_PARTS): the critical stage's compute,
+    collectives, recomputation (`recompute_s` per micro-batch and stage) and hand-offs over
+    every micro-batch, the pipeline bubble, and the data-parallel sync and optimizer step of the
+    stage whose once-per-iteration work is longest."""
+    m, stages = plan.num_microbatches, plan.stages
+    critical = max(range(len(stages)), key=lambda k: stages[k].latency_s)
+    stage, again = stages[critical], recompute_s[critical]
+    share = again / (stage.compute_s + stage.communication_s) if again else 0.0
+    compute, communication = stage.compute_s * (1 - share), stage.communication_s * (1 - share)
+    handoff = max(0.0, stage.latency_s - stage.compute_s - stage.communication_s)
+    last = max(stages, key=lambda s: s.sync_s + s.update_s)
+    parts = (m * compute, m * communication, m * again, m * handoff,
+             plan.prediction.pipeline_time_s - m * stage.latency_s, last.sync_s, last.update_s)
+    return tuple(zip(TIME_PARTS, parts, strict=True))
+
+
+def replayed(plan: Plan) -> Plan:
     """`plan` with its pipeline time from replaying its schedule on the stages' forward and
     backward seconds (what the Chrome trace of a report shows) instead of the stage DP's closed
     form, which it never exceeds; the closed form stays in the metrics."""
@@ -81,36 +113,62 @@ def _times(value: float | None, factor: float) -> float | None:
 
 
 def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions,
-           solved: dict[tuple, tuple[IntraPlan, PieceTimes]]) -> Stage:
+           solved: dict[tuple, PlannedPiece]) -> tuple[Stage, float]:
+    """The stage with its pieces and times, and its recomputation seconds per micro-batch."""
     mesh = _mesh(cluster, stage)
     menu = 0 if stage.memory_plan == "fastest" else int(stage.memory_plan.removeprefix("lean-"))
     blocks, embed, head = piece_graphs(job.model, plan.microbatch_size, job.seq_len, job.dtype, job.optimizer)
     ranges = [("embedding", embed, 0, 0)] if stage.first_layer == 0 else []
-    ranges += _block_runs(job, blocks, stage.first_layer, stage.last_layer)
+    ranges += block_runs(job, blocks, stage.first_layer, stage.last_layer)
     if stage.last_layer == job.model.layers - 1:
         ranges.append(("head", head, stage.last_layer, stage.last_layer))
-    pieces, totals = [], [0.0, 0.0, 0.0, 0.0]
+    pricing = piece_pricing(job, cluster, options)
+    planned = []
     for name, graph, first, last in ranges:
         key = (name, stage.submesh, mesh.shape, menu)
         if key not in solved:
             entries = menu_plans(graph, mesh, cluster.device.peak_flops * options.efficiency, plan.num_microbatches,
-                                 LEAN_PRICES, batch_axis(mesh), options.reduce_scatter,
-                                 gemm_curve_peak(cluster, options))
+                                 LEAN_PRICES, batch_axis(mesh), options.reduce_scatter, pricing)
             intra = entries[min(menu, len(entries) - 1)][1]
-            solved[key] = (intra, piece_times(graph, intra))
-        intra, times = solved[key]
-        pieces.append(StagePiece(name, first, last, intra))
-        count = last - first + 1
+            cost = layer_cost(graph.graph, intra, training_parts(graph, pricing), plan.num_microbatches)
+            solved[key] = PlannedPiece(name, graph, intra, cost.attention_forward_time)
+        planned.append((solved[key], first, last))
+    return with_pieces(stage, planned, layer_overhead(options))
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedPiece:
+    """A piece's plan on a stage's view, and its attention cores' forward seconds (what
+    selective recomputation runs again)."""
+
+    name: str
+    graph: PieceGraph
+    plan: IntraPlan
+    attention_forward_s: float
+
+
+def with_pieces(stage: Stage, planned: list[tuple[PlannedPiece, int, int]], overhead: float) -> tuple[Stage, float]:
+    """The stage with its pieces (each with its first and last layer), its forward seconds and
+    compute / communication split per micro-batch (`overhead`: launch seconds per layer), and
+    its recomputation seconds per micro-batch."""
+    totals, attention = [0.0, 0.0, 0.0, 0.0], 0.0
+    for piece, first, last in planned:
+        times, count = piece_times(piece.graph, piece.plan), last - first + 1
+        attention += count * piece.attention_forward_s
         for i, value in enumerate((times.forward_compute, times.forward_communication, times.backward_compute,
                                    times.backward_communication)):
             totals[i] += count * value
-    again = 1.0 if stage.recompute == "full" else 0.0  # recomputation runs the forward twice
+    totals[2] += stage.num_layers * overhead  # launch and framework time, as priced
     forward = totals[0] + totals[1]
-    return replace(stage, pieces=tuple(pieces), forward_s=forward, compute_s=totals[2] + (1 + again) * totals[0],
-                   communication_s=totals[3] + (1 + again) * totals[1])
+    # Recomputation runs the forward (full) or the attention cores (selective) again.
+    again = {"full": forward, "selective": attention}.get(stage.recompute, 0.0)
+    share = totals[0] / forward if forward else 1.0
+    pieces = tuple(StagePiece(piece.name, first, last, piece.plan) for piece, first, last in planned)
+    return replace(stage, pieces=pieces, forward_s=forward, compute_s=totals[2] + totals[0] + again * share,
+                   communication_s=totals[3] + totals[1] + again * (1 - share)), again
 
 
-def _block_runs(job: TrainingJob, blocks: dict[bool, PieceGraph], first: int,
+def block_runs(job: TrainingJob, blocks: dict[bool, PieceGraph], first: int,
                 last: int) -> list[tuple[str, PieceGraph, int, int]]:
     """Consecutive layers of one block kind (dense or MoE) as one piece each."""
     runs: list[tuple[str, PieceGraph, int, int]] = []
@@ -125,5 +183,4 @@ def _block_runs(job: TrainingJob, blocks: dict[bool, PieceGraph], first: int,
 
 
 def _mesh(cluster: Cluster, stage: Stage) -> LogicalMesh:
-    views = cluster.logical_views(stage.submesh)
-    return next(v for v in views if v.shape == stage.logical_mesh)
+    return next(v for v in planner_views(cluster, stage.submesh) if v.shape == stage.logical_mesh)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Hashable, Iterator
 
 from meshplan.cost.collectives import CollectiveKind
+from meshplan.cost.fusion import ATTENTION_KERNELS, BACKWARD, training_pass
 from meshplan.ir.node import Node, OpKind
 from meshplan.sharding.context import RuleContext
 from meshplan.sharding.rules.assign import assign_axes
@@ -64,7 +65,10 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     forced = ctx.config.force_batch_dim_to_mesh_dim
     if forced is not None and node.id in ctx.batch_dims:
         batch_dim = ctx.batch_dims[node.id]
-        kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+        if ctx.mesh.shape[forced] > 1:
+            kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+        else:  # an axis of one device: the micro-batch stays whole
+            kept = [s for s in strategies if not s.output.dims[batch_dim]]
         strategies = kept or strategies
     return NodeStrategies(node.id, tuple(strategies))
 
@@ -102,33 +106,52 @@ def _alpa_assignments(dims: DotDims, ctx: RuleContext) -> Iterator[dict]:
 
 def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, scatter: bool) -> Iterator[Strategy]:
     """The assignment's strategy, whose partial sums (if any) are all-reduced, and with
-    `ctx.config.reduce_scatter` (and `scatter`) one more per whole output dim the partial sums
-    can instead be reduce-scattered over (ZeRO-2's gradients, Megatron's sequence parallelism)."""
+    `ctx.config.reduce_scatter` (and `scatter`) one more per output dim the partial sums can
+    instead be reduce-scattered onto (ZeRO-2's gradients, Megatron's sequence parallelism)."""
     out, lhs, rhs = dims.specs(assignment)
     contracted = tuple(a for (group, _), axes in assignment.items() if group == "c" for a in axes)
     local_contract = math.prod(math.ceil(dims.size(("c", i)) / ctx.mesh.axis_size(assignment.get(("c", i), ())))
                                for i in range(len(dims.lc)))
     flops = 2.0 * math.prod(out.shard_shape(node.shape, ctx.mesh)) * local_contract
     local = {slot: math.ceil(dims.size(slot) / ctx.mesh.axis_size(assignment.get(slot, ()))) for slot in dims.slots()}
-    m = math.prod(v for (group, _), v in local.items() if group in ("b", "l"))
-    n = math.prod(v for (group, _), v in local.items() if group == "r")
-    compute = ctx.model.contraction_cost(flops, m, n, local_contract)
+    compute = _compute(node, dims, local, flops, local_contract, ctx)
     partial = ctx.local_bytes(node, out)  # each device's partial result before any reduction
     yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, compute, partial, ctx)
     if not (contracted and scatter and ctx.config.reduce_scatter
             and any(ctx.mesh.shape[a] > 1 for a in contracted)):
         return
     for d, axes in enumerate(out.dims):
-        if not axes and ctx.fits(node.shape[d], contracted):
-            scattered = ShardingSpec(tuple(contracted if i == d else a for i, a in enumerate(out.dims)))
+        # Onto a whole dim, or, under a given layout (Megatron's sequence parallelism beside
+        # context parallelism), onto a dim already split, further within each shard.
+        if (not axes or ctx.fixed) and ctx.fits(node.shape[d], tuple(axes) + contracted):
+            onto = tuple(sorted(tuple(axes) + contracted))
+            scattered = ShardingSpec(tuple(onto if i == d else a for i, a in enumerate(out.dims)))
             yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, compute, partial,
                             ctx)
+
+
+def _compute(node: Node, dims: DotDims, local: dict, flops: float, contract: float, ctx: RuleContext) -> float:
+    """Seconds of the local products: a GEMM per batch entry on the efficiency curve (without
+    kernel models, batch dims fold into m), or part of a fused attention kernel."""
+    kernels, fusion = ctx.model.kernels, ctx.fusion
+    if kernels is not None and fusion is not None and fusion.is_fused_attention(node.id):
+        return kernels.attention(flops, ATTENTION_KERNELS[node.attr("kernel")], training_pass(node) == BACKWARD)
+    batch = math.prod(v for (group, _), v in local.items() if group == "b")
+    m = math.prod(v for (group, _), v in local.items() if group == "l")
+    n = math.prod(v for (group, _), v in local.items() if group == "r")
+    if kernels is None:
+        return ctx.model.contraction_cost(flops, batch * m, n, contract)
+    return ctx.model.contraction_cost(flops, m, n, contract, batch)
 
 
 def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec], contracted: tuple[int, ...],
               reduction: CollectiveKind, compute: float, partial: float, ctx: RuleContext) -> Strategy:
     collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
-    memory = ctx.local_bytes(node, out)
+    memory = ctx.held_bytes(node, out)
+    if reduction is CollectiveKind.REDUCE_SCATTER and node.attr("accumulated"):
+        # Summed over micro-batches before the once-per-iteration reduction: the whole partial
+        # result is accumulated (Megatron's gradient buffer with the distributed optimizer).
+        memory = max(memory, partial)
     name = f"{out} = {operands[0]} x {operands[1]}"
     if contracted:
         kind = "allreduce" if reduction is CollectiveKind.ALL_REDUCE else "reducescatter"

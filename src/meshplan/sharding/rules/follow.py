@@ -6,6 +6,7 @@ merge it into that operand's decision before solving.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from meshplan.cost.collectives import Collective, CollectiveKind
@@ -30,14 +31,20 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
     strategies = []
     for lead in leader.strategies:
         out, required, collectives = transform(lead.output)
+        held = ctx.held_bytes(node, out) if materialized else 0.0
         strategies.append(Strategy(
             f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
-            compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())) * ctx.compute_weight(node),
+            compute=_compute(node, ctx, out, required) * ctx.compute_weight(node),
             communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
-            memory=ctx.local_bytes(node, out) if materialized else 0.0, collectives=collectives,
-            penalty=ctx.model.activation_price * ctx.local_bytes(node, out) if materialized else 0.0,
+            memory=held, collectives=collectives, penalty=ctx.model.activation_price * held,
         ))
     return NodeStrategies(node.id, tuple(strategies), follows=position)
+
+
+def _compute(node: Node, ctx: RuleContext, out: ShardingSpec, operands: tuple[ShardingSpec, ...]) -> float:
+    """A memory-bound kernel by its bytes (with kernel models), else its FLOPs at the flat rate."""
+    seconds = ctx.memory_bound_cost(node, out, operands)
+    return ctx.model.compute_cost(ctx.local_flops(node, out.axes())) if seconds is None else seconds
 
 
 def deepest_operand(node: Node, ctx: RuleContext) -> int:
@@ -49,10 +56,16 @@ def deepest_operand(node: Node, ctx: RuleContext) -> int:
     from the inputs, then the first."""
     update = bool(node.attr("per_iteration"))
     batch = ctx.batch_dims
-    keys = [(o not in ctx.constant_like, update and o in ctx.state_derived, o in batch, ctx.depth[o])
-            for o in node.operands]
+    # With vocabulary parallelism a row statistic broadcast back (x - max(x)) does not lead:
+    # following it would gather the split row (Megatron's cross-entropy keeps the vocabulary split).
+    whole = [ctx.config.gather_choices and ctx.graph[o].kind is not OpKind.BROADCAST for o in node.operands]
+    # Under a given layout, an operand laid out as the layout lays out this node leads.
+    target = ctx.fixed.get(node.id)
+    aligned = [target is not None and ctx.fixed.get(o) == target for o in node.operands]
+    keys = [(o not in ctx.constant_like, a, update and o in ctx.state_derived, w, o in batch, ctx.depth[o])
+            for o, a, w in zip(node.operands, aligned, whole, strict=True)]
     position = keys.index(max(keys))
-    if keys[position][1]:
+    if keys[position][2]:
         ctx.state_derived.add(node.id)
     return position
 
@@ -65,8 +78,9 @@ def _relayout_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     weight = ctx.communication_weight(node)
     n = len(node.operands)
     return NodeStrategies(node.id, tuple(
-        Strategy(f"relayout {spec}", spec, (spec,) * n, memory=ctx.local_bytes(node, spec),
-                 penalty=ctx.model.activation_price * ctx.local_bytes(node, spec) * weight) for spec in specs))
+        Strategy(f"relayout {spec}", spec, (spec,) * n, compute=_compute(node, ctx, spec, (spec,) * n) * weight,
+                 memory=ctx.held_bytes(node, spec),
+                 penalty=ctx.model.activation_price * ctx.held_bytes(node, spec) * weight) for spec in specs))
 
 
 @register_rule(OpKind.ELEMENTWISE)
@@ -141,6 +155,10 @@ def gather_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     axes (Megatron's vocabulary-parallel cross-entropy). A constant side (an iota of positions)
     never leads, or it would pin the result replicated."""
     axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    if ctx.config.gather_choices and batch_dims == 0 and ctx.operand(node, 0).kind is OpKind.PARAMETER:
+        return _table_lookup_strategies(node, ctx)
+    if ctx.config.gather_choices and 0 < batch_dims == axis and ctx.operand(node, 1).rank > batch_dims:
+        return _token_gather_strategies(node, ctx)
     rank = ctx.operand(node, 0).rank
     picked = ctx.operand(node, 1).rank - batch_dims  # index dims that pick independently
 
@@ -165,6 +183,10 @@ def scatter_add_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     whole; splits of the index dims that pick independently leave partial sums to all-reduce.
     Constant updates (the gradient of a mean) do not lead: the output follows the indices."""
     axis, batch_dims = node.attr("axis"), node.attr("batch_dims")
+    if ctx.config.gather_choices and batch_dims == 0 and node.attr("accumulated"):
+        return _table_gradient_strategies(node, ctx)
+    if ctx.config.gather_choices and batch_dims > 0 and axis == batch_dims:
+        return _token_scatter_strategies(node, ctx)
     picked = ctx.operand(node, 0).rank - batch_dims
 
     def from_updates(spec: ShardingSpec):
@@ -182,6 +204,156 @@ def scatter_add_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 
     leader = _leader(node, ctx, 1)
     return follow(node, ctx, leader, from_updates if leader else from_indices)
+
+
+def _table_lookup_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """An embedding lookup (a weight table indexed by tokens) as a choice of its own: the output
+    takes the indices' splits, and the table may be split over the other axes along the looked-up
+    dim (Megatron's vocabulary-parallel embedding): each device picks the rows it holds, the
+    others are zero, and the partial results are all-reduced (or reduce-scattered onto a whole
+    output dim) over those axes."""
+    axis = node.attr("axis")
+    table, indices = ctx.operand(node, 0), ctx.operand(node, 1)
+    strategies = []
+    for index_spec in _gathered_variants(_distinct_outputs(ctx, indices.id), range(indices.rank)):
+        out = ShardingSpec(((),) * axis + index_spec.dims + ((),) * (table.rank - axis - 1))
+        for split in _free_axis_sets(ctx, index_spec, table.shape[axis]):
+            table_spec = ShardingSpec(tuple(split if d == axis else () for d in range(table.rank)))
+            strategies.extend(_with_partial_sums(node, ctx, out, (table_spec, index_spec), split))
+    return NodeStrategies(node.id, tuple(strategies))
+
+
+def _table_gradient_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """An embedding's gradient (updates scattered into a zero table) as a choice of its own: the
+    table gradient keeps the updates' splits of its other dims, sums the partial tables of the
+    index dims' splits, and may be split along the scattered dim over axes the updates do not
+    use (each device adds only the rows it holds: the vocabulary-parallel embedding's gradient)."""
+    axis = node.attr("axis")
+    indices, updates = ctx.operand(node, 0), ctx.operand(node, 1)
+    picked = indices.rank
+    strategies = []
+    for update_spec in _gathered_variants(_distinct_outputs(ctx, updates.id), range(axis, axis + picked)):
+        summed = tuple(a for d in update_spec.dims[axis:axis + picked] for a in d)
+        for split in _free_axis_sets(ctx, update_spec, node.shape[axis]):
+            out = ShardingSpec(update_spec.dims[:axis] + (split,) + update_spec.dims[axis + picked:])
+            index_spec = ShardingSpec(update_spec.dims[axis:axis + picked])
+            strategies.extend(_with_partial_sums(node, ctx, out, (index_spec, update_spec), summed))
+    return NodeStrategies(node.id, tuple(strategies))
+
+
+def _token_gather_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Tokens gathered out of their sequences (an MoE's dispatch, or its combine's gradient) as a
+    choice of its own: rows keep the operand's batch splits, or those splits move onto the picked
+    dim as the rows are gathered (an all-to-all to the experts)."""
+    axis = node.attr("axis")
+    operand, indices = ctx.operand(node, 0), ctx.operand(node, 1)
+    picked = indices.rank - axis
+    strategies = []
+    for spec in _distinct_outputs(ctx, operand.id):
+        whole = ShardingSpec(spec.dims[:axis] + ((),) + spec.dims[axis + 1:])
+        out = ShardingSpec(whole.dims[:axis] + ((),) * picked + whole.dims[axis + 1:])
+        index_spec = ShardingSpec(whole.dims[:axis] + ((),) * picked)
+        held = ctx.held_bytes(node, out)
+        choices = [(out, ())]
+        moved = tuple(a for a in out.dims[axis - 1] if ctx.mesh.shape[a] > 1)
+        if moved and ctx.fits(node.shape[axis], moved):
+            to_experts = ShardingSpec(tuple(() if d == axis - 1 else moved if d == axis else a
+                                            for d, a in enumerate(out.dims)))
+            choices.append((to_experts, (ctx.collective(CollectiveKind.ALL_TO_ALL, moved,
+                                                        ctx.local_bytes(node, out)),)))
+        for result, collectives in choices:
+            held = ctx.held_bytes(node, result)
+            strategies.append(Strategy(f"{result} = gather {whole} {index_spec}", result, (whole, index_spec),
+                                       compute=_compute(node, ctx, out, (whole, index_spec)),
+                                       communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
+                                       memory=held, collectives=collectives,
+                                       penalty=ctx.model.activation_price * held))
+    return NodeStrategies(node.id, tuple(strategies))
+
+
+def _token_scatter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
+    """Tokens scattered back into their sequences (an MoE's combine) as a choice of its own: the
+    updates as they come (their index dims' splits summed by an all-reduce), or with those splits
+    moved onto the batch dims first (an all-to-all back from the experts), so every device adds
+    whole rows of its own sequences."""
+    axis = node.attr("axis")
+    indices, updates = ctx.operand(node, 0), ctx.operand(node, 1)
+    picked = indices.rank - axis
+    strategies = []
+    for spec in _moved_onto_batch(_distinct_outputs(ctx, updates.id), axis, picked, updates.shape, ctx):
+        out = ShardingSpec(spec.dims[:axis] + ((),) + spec.dims[axis + picked:])
+        index_spec = ShardingSpec(spec.dims[:axis] + spec.dims[axis:axis + picked])
+        summed = tuple(a for d in spec.dims[axis:axis + picked] for a in d)
+        strategies.extend(_with_partial_sums(node, ctx, out, (index_spec, spec), summed))
+    return NodeStrategies(node.id, tuple(strategies))
+
+
+def _moved_onto_batch(specs: list[ShardingSpec], batch: int, picked: int, shape,
+                      ctx: RuleContext) -> list[ShardingSpec]:
+    """`specs` and each with the axes of its `picked` dims after `batch` moved onto the last batch
+    dim (when it fits)."""
+    variants = list(specs)
+    for spec in specs:
+        moved = tuple(a for d in spec.dims[batch:batch + picked] for a in d)
+        onto = tuple(sorted(spec.dims[batch - 1] + moved))
+        if moved and ctx.fits(shape[batch - 1], onto):
+            dims = list(spec.dims)
+            dims[batch - 1] = onto
+            for d in range(batch, batch + picked):
+                dims[d] = ()
+            variants.append(ShardingSpec(tuple(dims)))
+    return list(dict.fromkeys(variants))
+
+
+def _distinct_outputs(ctx: RuleContext, node_id: int) -> list[ShardingSpec]:
+    return list(dict.fromkeys(s.output for s in ctx.strategies_of(node_id).strategies))
+
+
+def _gathered_variants(specs: list[ShardingSpec], dims) -> list[ShardingSpec]:
+    """`specs` and each with the splits of `dims` dropped (the operand gathered along them first,
+    which frees their axes for the table: Megatron gathers a sequence-parallel input this way)."""
+    dims = tuple(dims)
+    variants = [spec for spec in specs]
+    for spec in specs:
+        axes = [a for d in dims for a in spec.dims[d]]
+        for mask in itertools.product((False, True), repeat=len(axes)):
+            dropped = {a for a, drop in zip(axes, mask, strict=True) if drop}
+            if dropped:
+                variants.append(spec.without_axes(sorted(dropped)))
+    return list(dict.fromkeys(variants))
+
+
+def _free_axis_sets(ctx: RuleContext, used: ShardingSpec, size: int) -> list[tuple[int, ...]]:
+    """The empty split and every non-empty set of mesh axes `used` leaves free that `size` fits."""
+    free = [a for a in ctx.axes if a not in used.axes()]
+    sets = [tuple(a for a, keep in zip(free, mask, strict=True) if keep)
+            for mask in itertools.product((False, True), repeat=len(free))]
+    return [s for s in sets if not s or ctx.fits(size, s)]
+
+
+def _with_partial_sums(node: Node, ctx: RuleContext, out: ShardingSpec, operands: tuple[ShardingSpec, ...],
+                       summed: tuple[int, ...]) -> list[Strategy]:
+    """The strategy whose partial results over `summed` are all-reduced, and (with
+    reduce-scatter on) those that reduce-scatter them onto a whole output dim instead (an
+    accumulated gradient still holds its whole partial sum until the once-per-iteration
+    reduction)."""
+    choices = [(out, CollectiveKind.ALL_REDUCE)]
+    if ctx.config.reduce_scatter and any(ctx.mesh.shape[a] > 1 for a in summed):
+        choices += [(ShardingSpec(tuple(summed if i == d else a for i, a in enumerate(out.dims))),
+                     CollectiveKind.REDUCE_SCATTER)
+                    for d, axes in enumerate(out.dims) if not axes and ctx.fits(node.shape[d], summed)]
+    strategies = []
+    for spec, kind in choices:
+        collectives = ((ctx.collective(kind, summed, ctx.local_bytes(node, out)),)
+                       if any(ctx.mesh.shape[a] > 1 for a in summed) else ())
+        held = ctx.held_bytes(node, spec)
+        if kind is CollectiveKind.REDUCE_SCATTER and node.attr("accumulated"):
+            held = max(held, ctx.local_bytes(node, out))
+        strategies.append(Strategy(f"{spec} = {node.op} {operands[0]} {operands[1]}", spec, operands,
+                                   compute=_compute(node, ctx, spec, operands) * ctx.compute_weight(node),
+                                   communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
+                                   memory=held, collectives=collectives, penalty=ctx.model.activation_price * held))
+    return strategies
 
 
 def _leader(node: Node, ctx: RuleContext, preferred: int) -> int:

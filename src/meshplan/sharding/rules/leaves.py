@@ -21,8 +21,12 @@ def parameter_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     forced = ctx.config.force_batch_dim_to_mesh_dim
     batch_dim = node.attr("batch_dim", 0 if node.attr("batch_input") else None)  # models' graphs: dim 0
     if forced is not None and batch_dim is not None:
-        # Inputs that arrive split over the batch (activations, their gradients, tokens).
-        on_axis = [s for s in split if forced in s.dims[batch_dim]]
+        # Inputs that arrive split over the batch (activations, their gradients, tokens); whole
+        # when the forced axis has one device.
+        if ctx.mesh.shape[forced] > 1:
+            on_axis = [s for s in split if forced in s.dims[batch_dim]]
+        else:
+            on_axis = [s for s in [*split, ShardingSpec.replicated(node.rank)] if not s.dims[batch_dim]]
         if on_axis:
             return NodeStrategies(node.id, tuple(Strategy(_spec_name(s), s, (), memory=ctx.local_bytes(node, s))
                                                  for s in on_axis))
@@ -66,5 +70,5 @@ def replicated_leaf(node: Node, ctx: RuleContext) -> NodeStrategies:
     """Constants are made on every device; any split of them is free slicing later. An iota is
     generated inside the kernels that read it (compilers fuse it), so it holds no memory."""
     spec = ShardingSpec.replicated(node.rank)
-    memory = 0.0 if node.kind is OpKind.IOTA else ctx.local_bytes(node, spec)
+    memory = 0.0 if node.kind is OpKind.IOTA else ctx.held_bytes(node, spec)
     return NodeStrategies(node.id, (Strategy("R", spec, (), memory=memory),))

@@ -26,6 +26,7 @@ def random_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 
 
 def _strategy(node: Node, out: ShardingSpec, keys: tuple[ShardingSpec, ...], ctx: RuleContext) -> Strategy:
-    memory = ctx.local_bytes(node, out)
-    return Strategy(f"{out} = {node.op}", out, keys, compute=ctx.model.compute_cost(ctx.local_flops(node, out.axes())),
+    memory = ctx.held_bytes(node, out)
+    compute = 0.0 if ctx.fusion is not None else ctx.model.compute_cost(ctx.local_flops(node, out.axes()))
+    return Strategy(f"{out} = {node.op}", out, keys, compute=compute,
                     memory=memory, penalty=ctx.model.activation_price * memory)
