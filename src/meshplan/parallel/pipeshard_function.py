@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.capture import capture, check_micro_batchable, find_batch_inputs, given_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
@@ -52,6 +52,7 @@ from meshplan.plan import Plan, Prediction, Stage
 from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
+from meshplan.runtime.handoff import absent, is_multi_process, move, owns
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
 from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline, sum_of
@@ -135,7 +136,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                               self.method.schedule)
         self._events = result.events
         grads = [g for stage_grads in result.grads for g in stage_grads]
-        return result.loss, tuple(grads) if isinstance(params, tuple) else grads
+        loss = _scalars_together(result.loss, compiled.pipeline.stage_meshes[-1])
+        return loss, tuple(grads) if isinstance(params, tuple) else grads
 
     def get_plan(self) -> Plan:
         """The Plan of the last call: stages (layers, devices, logical mesh, intra-op plan),
@@ -196,10 +198,6 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         return files
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled | _ForwardCompiled:
-        if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
-            raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
-                               f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
-                               f"Zero2Parallel, Zero3Parallel or TensorParallel across processes")
         devices = list(self.devices) if self.devices is not None else jax.devices()
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
         step = trace_step(self.fn, args, self.__name__)
@@ -534,7 +532,13 @@ def _parts(compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> _Compiled:
 def _scalars_together(results: Any, mesh: Mesh) -> Any:
     """`results` with every scalar array on `mesh` (the last stage's, where the loss is): a step's
     metrics are updated on several stages (an nnx metric's total where the loss is, its count
-    elsewhere), and code that combines them eagerly (`metrics.compute()`) needs them on one."""
+    elsewhere), and code that combines them eagerly (`metrics.compute()`) needs them on one. In a
+    job of several processes scalars go whole to every device of the job instead, so that every
+    process can read the loss as with the other methods."""
+    if is_multi_process():
+        everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+        return jax.tree_util.tree_map(
+            lambda v: move(v, everywhere) if isinstance(v, jax.Array) and v.ndim == 0 else v, results)
     return jax.tree_util.tree_map(lambda v: on_mesh(v, mesh) if isinstance(v, jax.Array) and v.ndim == 0 else v,
                                   results)
 
@@ -557,13 +561,22 @@ def _placed_weights(pipeline: Pipeline, positions: list[tuple[tuple[int, ...], .
         values = [leaves[i] for i in flat]
         shardings = [x.sharding for x in jax.tree_util.tree_leaves(
             _placed(shapes_of(jax.tree_util.tree_unflatten(tree, values)), pipeline.sharding(k)))]
-        values = [jnp.array(v, copy=True) if i in donated and not _is_placed(v, where) else v
+        values = [_caller_copy(v) if i in donated and not _is_placed(v, where) else v
                   for i, v, where in zip(flat, values, shardings, strict=True)]
-        placed = jax.device_put(values, shardings)
+        placed = jax.device_put(values, shardings) if not is_multi_process() else [
+            move(v, where) for v, where in zip(values, shardings, strict=True)]
         for i, value in zip(flat, placed, strict=True):
             first.setdefault(i, value)
         per_stage.append(jax.tree_util.tree_unflatten(tree, placed))
     return per_stage, first
+
+
+def _caller_copy(value: Any) -> Any:
+    """A copy of a caller's value that is about to be donated; a value on another process's devices
+    needs none (its hand-off makes new buffers)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value
+    return jnp.array(value, copy=True)
 
 
 def _is_placed(value: Any, where: Any) -> bool:
@@ -589,7 +602,13 @@ def _micro_inputs(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[A
     stats: tuple[Any, ...] = ()
     if compiled.statistics is not None:
         last = compiled.parts.pipeline.stage_meshes[-1]
-        stats = tuple(compiled.statistics(*(on_mesh(values[p], last) for p in compiled.program.statistic_inputs)))
+        inputs = [on_mesh(values[p], last) for p in compiled.program.statistic_inputs]
+        if not is_multi_process():
+            stats = tuple(compiled.statistics(*inputs))
+        else:  # laid out whole on the last stage, so every process knows where they are
+            whole = NamedSharding(last, PartitionSpec())
+            stats = tuple(move(v, whole) for v in compiled.statistics(*inputs)) if owns(last) else tuple(
+                absent(a.shape, a.dtype, whole) for a in compiled.program.statistics.out_avals)
     index = compiled.program.indexed
     return [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
              *((np.int32(m),) if index else ())) for m in range(count)]
