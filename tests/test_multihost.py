@@ -124,15 +124,48 @@ def test_four_processes_of_two_devices_train_like_one_device(tmp_path, one_devic
     check_pipelined_like_one_device(reports, "pipeshard4", one_device_run)
 
 
-def test_ray_launch_trains_like_one_device(tmp_path, one_device_losses):
+def gpt2_reports(tmp_path: Path, nprocs: int, devices: int, *options: str) -> list[dict]:
+    """Reports of tests/multihost_gpt2.py: pipelined Hugging Face GPT-2 + AdamW against one device."""
+    result, _ = launch("--nprocs", str(nprocs), "--devices-per-process", str(devices), "--", "python",
+                       str(HERE / "multihost_gpt2.py"), str(tmp_path), *options, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
+
+
+def mean_relative_error(reports: list[dict]) -> float:
+    """Mean over parameter leaves of sum |got - want| / sum |want|, every leaf fully held by some process."""
+    totals: dict = {}
+    for report in reports:
+        for name, (diff, size, _) in report["params"].items():
+            total = totals.setdefault(name, [0.0, 0.0])
+            total[0] += diff
+            total[1] += size
+    assert all(size > 0 for _, size in totals.values())  # every leaf is held somewhere
+    return float(np.mean([diff / size for diff, size in totals.values()]))
+
+
+def test_gpt2_whole_step_on_four_stages_over_two_processes_trains_like_one_device(tmp_path):
+    """Hugging Face Flax GPT-2, AdamW after global-norm clipping, 4 stages (2 per process): the tied
+    embedding's owner (stage 0, process 0) gets the LM head's gradient from stage 3 (process 1), and the
+    global norm and step count cross processes."""
+    reports = gpt2_reports(tmp_path, 2, 4, "--layers", "4")
+    assert reports[0]["stages"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert len({r["plan"] for r in reports}) == 1
+    for report in reports:
+        np.testing.assert_allclose(report["losses"], report["one_device_losses"], rtol=1e-5)
+    assert mean_relative_error(reports) <= 1e-4
+
+
+def test_ray_launch_trains_like_one_device(tmp_path, one_device_run):
     pytest.importorskip("ray")
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
-        reports = train(tmp_path, 2, 2, "shard", "--ray-address", "local", "--ray-temp-dir", ray_dir)
+        reports = train(tmp_path, 2, 2, "shard,pipeshard", "--ray-address", "local", "--ray-temp-dir", ray_dir)
     finally:
         subprocess.run(["rm", "-rf", ray_dir], check=False)
     assert [(r["process"], r["devices"], r["local"]) for r in reports] == [(0, 4, 2), (1, 4, 2)]
-    check_like_one_device(reports, "shard", one_device_losses)
+    check_like_one_device(reports, "shard", one_device_run[0])
+    check_pipelined_like_one_device(reports, "pipeshard", one_device_run)
 
 
 def seconds_since_fault(stderr: str) -> float:
