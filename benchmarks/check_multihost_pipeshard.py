@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from common import save
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,8 +31,8 @@ assert worker is not None, "run me with meshplan launch"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from framework_models import gpt2, lm_step, tokens  # noqa: E402
 
+from framework_models import gpt2, lm_step, tokens  # noqa: E402
 from meshplan.parallel import PipeshardParallel, parallelize  # noqa: E402
 
 

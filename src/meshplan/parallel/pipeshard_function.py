@@ -34,6 +34,7 @@ from meshplan.inter.schedules import Event
 from meshplan.parallel.call import CallForm, dynamic_slots, with_fixed_slots
 from meshplan.parallel.donation import UnusedDonationWarning
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
+from meshplan.parallel.given_plan import GivenPlan, check_program, check_stage_graph, read_given_plan
 from meshplan.parallel.nnx_objects import has_objects
 from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, auto_layer_count, stage_assignments
 from meshplan.parallel.pipeshard_step import (
@@ -115,6 +116,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         super().__init__(fn, method, devices, costs)
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
         self._events: tuple[Event, ...] = ()
+        self._given: GivenPlan | None = None
 
     def _run(self, args: tuple[Any, ...]) -> Any:
         """The step's results (a train or inference step), or loss and grads equal to
@@ -200,6 +202,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
     def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled | _ForwardCompiled:
         devices = list(self.devices) if self.devices is not None else jax.devices()
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
+        # A given plan shapes every part of the build (layer count, stages, layouts): kept for its duration.
+        self._given = None if self.method.plan is None else read_given_plan(self.method, len(devices), self.__name__)
         step = trace_step(self.fn, args, self.__name__)
         if step is not None:
             return self._build_step(args, step, devices)
@@ -320,6 +324,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                                f"or remove the marks to cut into {method.layers} layers by FLOPs")
         if marks:
             return None
+        if self._given is not None:
+            return self._given.num_layers
         return method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
 
     def _cut_loss(self, full: TracedStep, micro: TracedStep,
@@ -413,7 +419,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         micro-batch (default: `micro_x`'s first leaf's leading dim); `forward_only`: inference."""
         method, params = self.method, layer_params
         search = None
-        if method.stages == "auto":
+        if self._given is not None:
+            kind = "forward" if forward_only else "whole" if micro_t == () else "loss"
+            rows = micro_rows if micro_rows is not None else jax.tree_util.tree_leaves(micro_x)[0].shape[0]
+            weights = {id(leaf): leaf for p in params for leaf in jax.tree_util.tree_leaves(p)}
+            check_program(self._given, self.__name__, kind, len(layer_fns), rows * method.num_micro_batches,
+                          sum(int(np.prod(leaf.shape)) for leaf in weights.values()))
+            stages = self._given.stages
+        elif method.stages == "auto":
             search = search_stages(layer_fns, params, micro_x, micro_t, len(devices),
                                    method.num_micro_batches, method.options(self.costs), self.costs, method.schedule)
             stages = search.stages
@@ -442,11 +455,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
             if self.method.stage_sharding == "auto":
                 logical = self.costs.mesh(stage.mesh_shape, stage.devices)
+                given = None
+                if self._given is not None and self._given.intra_plans[k] is not None:
+                    given = lambda graph, k=k: check_stage_graph(self._given, k, graph, self.__name__)  # noqa: E731
                 layouts.append(planned_layout(fn, mesh, logical, self.method.options(self.costs),
                                               stage_params[k], acts[k],
                                               targets if k == last and not forward_only else None,
                                               differentiate_input=k > 0, name=f"{self.__name__}.stage{k}",
-                                              backward=not forward_only))
+                                              backward=not forward_only, given=given))
             else:
                 default = data_parallel_layout if self.method.stage_sharding == "data_parallel" else replicated_layout
                 layouts.append(default(fn, mesh, k == last))
@@ -467,7 +483,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
             prediction = Prediction(search.inter.iteration_time, search.inter.pipeline_time, search.inter.sync_time)
             metrics = tuple((f"layer_s.{k}.{'x'.join(map(str, view))}", t) for k in range(search.costs.num_layers)
                             for view, t in search.layer_times(k).items())
-        kind = method.stages if isinstance(method.stages, str) else "explicit"
+        kind = "plan" if self._given else method.stages if isinstance(method.stages, str) else "explicit"
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
