@@ -16,6 +16,7 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from meshplan.capture import capture, check_micro_batchable, find_batch_inputs, 
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
+from meshplan.launch.progress import building
 from meshplan.parallel.call import CallForm, dynamic_slots, with_fixed_slots
 from meshplan.parallel.donation import UnusedDonationWarning
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
@@ -117,6 +119,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
         self._events: tuple[Event, ...] = ()
         self._given: GivenPlan | None = None
+        self._ran: set[int] = set()  # builds that have run once (their programs are compiled)
 
     def _run(self, args: tuple[Any, ...]) -> Any:
         """The step's results (a train or inference step), or loss and grads equal to
@@ -128,6 +131,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         them.
         """
         compiled = self._compiled(args)
+        # The stages' programs compile on their first run, which is building, not hanging, for the
+        # launcher's hang watch: processes holding late stages compile long after the others wait.
+        with building() if id(compiled) not in self._ran else contextlib.nullcontext():
+            result = self._run_compiled(compiled, args)
+        self._ran.add(id(compiled))
+        return result
+
+    def _run_compiled(self, compiled: _Compiled | _StepCompiled | _ForwardCompiled, args: tuple[Any, ...]) -> Any:
         if isinstance(compiled, _StepCompiled):
             return _scalars_together(self._run_step(compiled, args), compiled.parts.pipeline.stage_meshes[-1])
         if isinstance(compiled, _ForwardCompiled):
