@@ -9,13 +9,15 @@ collectives (gloo on CPU, NCCL on GPUs). Every process of a job walks the same h
 order: the processes that own source or destination devices run the program, the others only
 record where the result lives (an array with no shards here, `absent`). Two layouts:
 
-- same shards: source and destination split the value alike over as many devices; device i of
-  the source sends its shard to the destination device holding the same slice (bytes per device:
-  one shard);
-- otherwise the source stage first gathers the value whole on each of its devices (a program on
-  its own devices), each destination device receives it whole from a source device (rounds of
-  `ppermute` when there are more destination devices than source ones), and the destination cuts
-  its layout from it locally.
+- same shards: source and destination split the value alike over as many devices, each element
+  on one device; device i of the source sends its shard to the destination device holding the
+  same slice (bytes per device: one shard);
+- other layouts over as many devices (replicated ones included), when dim 0 divides: each side
+  converts between its layout and dim 0 split over its devices (a program on its own devices:
+  slicing, or a collective inside the stage), and the rows cross as above;
+- otherwise the source stage first gathers the value whole on each of its devices, each
+  destination device receives it whole from a source device (rounds of `ppermute` when there are
+  more destination devices than source ones), and the destination cuts its layout from it locally.
 """
 
 from __future__ import annotations
@@ -67,8 +69,14 @@ def move(value: Any, target: Any) -> Any:
         return absent(value.shape, value.dtype, target)
     if source.device_set == target.device_set:
         return _reshard(value, target)
-    if _same_shards(source, target, value.ndim):
+    count = len(source.device_set)
+    if _same_shards(source, target, value.ndim) and _holds_once(source, value.shape):
         return _send_shards(value, target)
+    if value.ndim and count == len(target.device_set) and value.shape[0] % count == 0:
+        # Across the link in rows, one share per device (what the cost model prices); each side
+        # converts between its layout and rows among its own devices.
+        rows = _send_shards(_reshard(value, _rows(source)), _rows(target))
+        return _reshard(rows, target)
     copies = _send_shards(_reshard(value, _replicated(source)), _replicated(target))
     return _reshard(copies, target)
 
@@ -83,6 +91,11 @@ def _replicated(sharding: Any) -> NamedSharding:
     mesh = sharding.mesh if isinstance(sharding, NamedSharding) else Mesh(np.array(sharding._device_assignment),
                                                                         ("devices",))
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _rows(sharding: Any) -> NamedSharding:
+    """Dim 0 split over `sharding`'s devices, in its device order."""
+    return NamedSharding(Mesh(np.array(sharding._device_assignment), ("rows",)), PartitionSpec("rows"))
 
 
 def _reshard(value: jax.Array, target: Any) -> jax.Array:
@@ -101,6 +114,11 @@ def _same_shards(source: Any, target: Any, ndim: int) -> bool:
     """Whether `source` and `target` cut a value into the same slices over as many devices."""
     return (len(source.device_set) == len(target.device_set)
             and source._to_xla_hlo_sharding(ndim) == target._to_xla_hlo_sharding(ndim))
+
+
+def _holds_once(sharding: Any, shape: tuple[int, ...]) -> bool:
+    """Whether `sharding` keeps each element on one device only (nothing replicated)."""
+    return int(np.prod(sharding.shard_shape(shape))) * len(sharding.device_set) == int(np.prod(shape))
 
 
 def _slices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[tuple[int, int], ...]]:
