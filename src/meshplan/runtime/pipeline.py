@@ -282,7 +282,7 @@ class _Run:
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
     cotangents: dict[tuple[int, int], Any] = field(default_factory=dict)
-    saved: dict[tuple[int, int], Any] = field(default_factory=dict)  # each forward's input, for the backward's shapes
+    saved: dict[tuple[int, int], Any] = field(default_factory=dict)  # forward inputs (several processes only)
     losses: list[Any] = field(default_factory=list)
     auxes: list[Any] = field(default_factory=list)
     grads: dict[int, Any] = field(default_factory=dict)
@@ -296,7 +296,8 @@ class _Run:
         if last:
             pipeline.check_batch_split(s, self.targets[m], "targets")
         extra = (move_tree(self.targets[m], pipeline.targets_sharding()),) if last else ()
-        self.saved[(s, m)] = x
+        if is_multi_process():  # the backward's result shapes, for the processes that skip it
+            self.saved[(s, m)] = x
         y, self.vjps[(s, m)] = pipeline.run_forward_step(s, self.params[s], x, *extra)
         if last and pipeline.last_has_aux:
             self.losses.append(y[0])
@@ -313,9 +314,11 @@ class _Run:
         else:
             ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
         grad, dx = self.pipeline.run_backward_step(s, self.vjps.pop((s, m)), ct, self.params[s],
-                                                   self.saved.pop((s, m)))
+                                                   self.saved.pop((s, m), None))
         if s not in self.grads:
             self.grads[s] = grad
+        elif not is_multi_process():
+            self.grads[s] = _accumulate(self.grads[s], grad)
         elif owns(self.pipeline.stage_meshes[s]):
             self.grads[s] = _as_declared(_accumulate(self.grads[s], grad), self.grads[s])
         if s:
