@@ -37,11 +37,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, parallelize  # noqa: E402
-from multihost_step import STEPS, make_data, pipelined_loss, step  # noqa: E402
+from multihost_step import STEPS, make_data, pipelined_loss, predict, step  # noqa: E402
 
 
 def train(method_name: str) -> dict:
     state, x, y = make_data()
+    if method_name == "pipeinfer":  # an inference step, forward only: its outputs where the last stage holds them
+        f = parallelize(predict, method=PipeshardParallel(2))
+        return {"outputs": [_held(f(state, x))], "plan": _plan_hash(f)}
     if method_name == "pipeloss":  # a loss function cut by mark_pipeline_boundary: loss and grads
         f = parallelize(pipelined_loss, method=PipeshardParallel(2))
         loss, grads = f([state["w1"], state["w2"]], x, y)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from multihost_step import STEPS, make_data, pipelined_loss, step
+from multihost_step import STEPS, make_data, pipelined_loss, predict, step
 
 pytestmark = pytest.mark.slow  # each test launches a job of 2-4 processes (15-70 s on 2 shared cores)
 
@@ -101,7 +101,7 @@ def check_pipelined_like_one_device(reports: list[dict], method: str, run: tuple
 
 
 def test_two_processes_of_four_devices_train_like_one_device(tmp_path, one_device_run):
-    reports = train(tmp_path, 2, 4, "shard,dp,pipeshard,pipeloss")
+    reports = train(tmp_path, 2, 4, "shard,dp,pipeshard,pipeloss,pipeinfer")
     assert [(r["process"], r["processes"], r["devices"], r["local"]) for r in reports] == [(0, 2, 8, 4), (1, 2, 8, 4)]
     for method in ("shard", "dp"):
         check_like_one_device(reports, method, one_device_run[0])
@@ -114,6 +114,9 @@ def test_two_processes_of_four_devices_train_like_one_device(tmp_path, one_devic
     for report in reports:
         np.testing.assert_allclose(report["results"]["pipeloss"]["losses"], [float(loss)], rtol=1e-6)
     check_held_like(reports, "pipeloss", "grads", dict(enumerate(np.asarray(g) for g in grads)), rtol=1e-5)
+    # an inference step: forward only, its outputs on the last stage (process 1)
+    assert len({r["results"]["pipeinfer"]["plan"] for r in reports}) == 1
+    check_held_like(reports, "pipeinfer", "outputs", {0: np.asarray(predict(state, x))}, rtol=1e-5)
 
 
 def test_four_processes_of_two_devices_train_like_one_device(tmp_path, one_device_run):
