@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import OptionsError
+from meshplan.launch.progress import building
 from meshplan.runtime.gradient import GradientCall, gradient_calls, nested_gradient, trace_with_gradients
 from meshplan.runtime.handoff import absent, is_multi_process, move, owns
 from meshplan.runtime.replay import read, replay
@@ -310,13 +312,17 @@ class UpdateRunner:
         """Piece n jitted; a result that takes a donated input's buffer is laid out as that input
         (XLA reuses a buffer only for the same layout, and the next step finds the value in place).
         In a job of several processes every result's layout is declared (`_declared_shardings`)."""
-        key = (n, tuple(inputs[i].sharding for i in self.donations[n]) if not is_multi_process()
-               else tuple(x.sharding for x in inputs))
+        key = self._key(n, inputs)
         if key not in self._jitted:
             out = self._declared_shardings(n, inputs)
             self._jitted[key] = jax.jit(self._fns[n], donate_argnums=tuple(self.donations[n]),
                                         out_shardings=tuple(out))
         return self._jitted[key]
+
+    def _key(self, n: int, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """What piece n's jitted function depends on besides the piece: its inputs' layouts."""
+        return (n, tuple(inputs[i].sharding for i in self.donations[n]) if not is_multi_process()
+                else tuple(x.sharding for x in inputs))
 
     def _declared_shardings(self, n: int, inputs: Sequence[Any]) -> list[Any]:
         """Piece n's result layouts: a donated input's for the result taking its buffer; in a job of
@@ -351,7 +357,9 @@ class UpdateRunner:
                       for i, v in enumerate(piece.inputs)]
             self._last_inputs[n] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in inputs]
             if owns(mesh):
-                values = self._jit(n, inputs)(*inputs)
+                fresh = self._key(n, inputs) not in self._jitted
+                with building() if fresh else contextlib.nullcontext():  # compiles: for the hang watch
+                    values = self._jit(n, inputs)(*inputs)
             else:  # another process's piece: its results' layouts only
                 values = [absent(v.aval.shape, v.aval.dtype, where) for v, where in
                           zip(piece.outputs, self._declared_shardings(n, inputs), strict=True)]
