@@ -55,7 +55,7 @@ from meshplan.plan import Plan, Prediction, Stage
 from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
-from meshplan.runtime.handoff import absent, is_multi_process, move, owns
+from meshplan.runtime.handoff import absent, is_multi_process, move, owns, settled
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
 from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline, sum_of
@@ -634,7 +634,7 @@ def _micro_inputs(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[A
             stats = tuple(compiled.statistics(*inputs))
         else:  # laid out whole on the last stage, so every process knows where they are
             whole = NamedSharding(last, PartitionSpec())
-            stats = tuple(move(v, whole) for v in compiled.statistics(*inputs)) if owns(last) else tuple(
+            stats = settled(tuple(move(v, whole) for v in compiled.statistics(*inputs))) if owns(last) else tuple(
                 absent(a.shape, a.dtype, whole) for a in compiled.program.statistics.out_avals)
     index = compiled.program.indexed
     return [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshplan.errors import OptionsError
 from meshplan.launch.progress import building
 from meshplan.runtime.gradient import GradientCall, gradient_calls, nested_gradient, trace_with_gradients
-from meshplan.runtime.handoff import absent, is_multi_process, move, owns
+from meshplan.runtime.handoff import absent, is_multi_process, move, owns, settled
 from meshplan.runtime.replay import read, replay
 
 
@@ -359,7 +359,7 @@ class UpdateRunner:
             if owns(mesh):
                 fresh = self._key(n, inputs) not in self._jitted
                 with building() if fresh else contextlib.nullcontext():  # compiles: for the hang watch
-                    values = self._jit(n, inputs)(*inputs)
+                    values = settled(self._jit(n, inputs)(*inputs))
             else:  # another process's piece: its results' layouts only
                 values = [absent(v.aval.shape, v.aval.dtype, where) for v, where in
                           zip(piece.outputs, self._declared_shardings(n, inputs), strict=True)]
@@ -434,5 +434,5 @@ def summed(contributions: Sequence[Any]) -> Any:
         if not is_multi_process():
             total = _add(total, c)
         elif owns(total.sharding):
-            total = move(_add(total, c), total.sharding)
+            total = settled(move(_add(total, c), total.sharding))
     return total

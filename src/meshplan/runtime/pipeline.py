@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import MeshError, OptionsError
 from meshplan.inter.schedules import Event, Phase, make_schedule
-from meshplan.runtime.handoff import absent, absent_like, is_multi_process, move, move_tree, owns
+from meshplan.runtime.handoff import absent, absent_like, is_multi_process, move, move_tree, owns, settled
 from meshplan.runtime.stage_layout import StageFn, StageLayout, data_parallel_layout, replicated_layout
 
 
@@ -90,7 +90,7 @@ class Pipeline:
         if not owns(self.stage_meshes[stage]):
             return absent_like(shapes), None
         y, vjp_fn = run(params, x, *targets)
-        return _as_declared(y, shapes), vjp_fn
+        return settled(_as_declared(y, shapes)), vjp_fn
 
     def run_backward_step(self, stage: int, vjp_fn: Any, cotangent: Any, params: Any, x: Any) -> tuple[Any, Any]:
         """Stage `stage`'s jitted backward: `(param grads, input cotangent)`; `params` and `x` (the
@@ -104,7 +104,7 @@ class Pipeline:
         if not owns(self.stage_meshes[stage]):
             return absent_like(grads), absent_like(dx)
         grad, dx_value = self._backwards[stage](vjp_fn, cotangent)
-        return _as_declared(grad, grads), _as_declared(dx_value, dx)
+        return settled((_as_declared(grad, grads), _as_declared(dx_value, dx)))
 
     def _declared_shapes(self, key: Any, shapes: Callable[[], Any], shardings: Any, stage: int) -> Any:
         """ShapeDtypeStructs of a stage step's results with their declared shardings (a pytree
@@ -320,7 +320,7 @@ class _Run:
         elif not is_multi_process():
             self.grads[s] = _accumulate(self.grads[s], grad)
         elif owns(self.pipeline.stage_meshes[s]):
-            self.grads[s] = _as_declared(_accumulate(self.grads[s], grad), self.grads[s])
+            self.grads[s] = settled(_as_declared(_accumulate(self.grads[s], grad), self.grads[s]))
         if s:
             self.cotangents[(s, m)] = dx
 
@@ -393,7 +393,7 @@ def _on_owners(fn: Callable[[list[Any]], Any], values: list[Any]) -> Any:
         return fn(values)
     if not owns(first.sharding):
         return absent(first.shape, first.dtype, first.sharding)
-    return move(fn(values), first.sharding)
+    return settled(move(fn(values), first.sharding))
 
 
 @jax.jit
