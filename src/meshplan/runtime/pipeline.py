@@ -7,7 +7,8 @@ schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous
 different stages that the schedule puts side by side overlap on their devices. In a job of several
 processes every process walks the whole schedule in the same order and runs the steps of the stages
 it holds devices of, and the hand-offs it sends or receives: collectives meet in one order
-everywhere, so none waits for a peer that waits for it.
+everywhere, so none waits for a peer that waits for it (each program is waited for there:
+runtime.handoff.settled).
 
 Where a stage keeps its params, activations and targets is its StageLayout
 (runtime.stage_layout): replicated by default; with `data_parallel=True` activations, targets and
