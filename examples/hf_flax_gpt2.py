@@ -4,6 +4,8 @@ pipelines the same whole step: its loss cut into 4 layers by FLOPs, one stage of
 layer, 4 micro-batches, the AdamW update on each stage's devices.
 
 Run: python examples/hf_flax_gpt2.py [--steps N] [--methods shard,dp,zero2,zero3,tp,pipeshard]
+Across processes: meshplan launch --nprocs 2 --devices-per-process 4 -- python examples/hf_flax_gpt2.py
+(the pipeshard variant then runs stages 0-1 in process 0 and stages 2-3 in process 1; docs/multihost.md)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import meshplan  # noqa: E402
+import meshplan.launch  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers: Flax models are deprecated upstream
 from transformers import FlaxGPT2LMHeadModel, GPT2Config  # noqa: E402
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--methods", default=",".join(METHODS))
     args = parser.parse_args()
+    meshplan.launch.initialize()  # under `meshplan launch`: join the job (every process runs this script)
     config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=8)
     model = FlaxGPT2LMHeadModel(config, seed=0)  # random weights: nothing is downloaded
     optimizer = optax.adamw(3e-3)

@@ -24,6 +24,11 @@ def pipelined_loss(params, x, y):
     return jnp.mean((h @ params[1] - y) ** 2)
 
 
+def predict(params, x):
+    """An inference step (no gradient): pipelined forward only."""
+    return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+
 def make_data():
     """Host (NumPy) arrays, identical in every process."""
     k = jax.random.split(jax.random.key(0), 4)

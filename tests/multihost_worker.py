@@ -34,28 +34,42 @@ if worker.process_id == 1 and args.fault != "none":
         time.sleep(60)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-from meshplan.errors import MeshplanError  # noqa: E402
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, parallelize  # noqa: E402
-from multihost_step import STEPS, make_data, pipelined_loss, step  # noqa: E402
+from multihost_step import STEPS, make_data, pipelined_loss, predict, step  # noqa: E402
 
 
 def train(method_name: str) -> dict:
     state, x, y = make_data()
-    if method_name == "pipeshard":  # not supported across processes: the error must say so
-        try:
-            parallelize(pipelined_loss, method=PipeshardParallel(2))([state["w1"], state["w2"]], x, y)
-        except MeshplanError as error:
-            return {"error": str(error)}
-        return {"error": ""}
-    method = {"shard": ShardParallel(), "dp": DataParallel()}[method_name]
+    if method_name == "pipeinfer":  # an inference step, forward only: its outputs where the last stage holds them
+        f = parallelize(predict, method=PipeshardParallel(2))
+        return {"outputs": [_held(f(state, x))], "plan": _plan_hash(f)}
+    if method_name == "pipeloss":  # a loss function cut by mark_pipeline_boundary: loss and grads
+        f = parallelize(pipelined_loss, method=PipeshardParallel(2))
+        loss, grads = f([state["w1"], state["w2"]], x, y)
+        return {"losses": [float(loss)], "grads": [_held(g) for g in grads], "plan": _plan_hash(f)}
+    method = {"shard": ShardParallel(), "dp": DataParallel(), "pipeshard": PipeshardParallel(2),
+              "pipeshard4": PipeshardParallel(4, schedule="gpipe")}[method_name]
     f = parallelize(step, method=method, batch_argnums=(1, 2))
     losses = []
     for _ in range(STEPS):
         state, loss = f(state, x, y)
         losses.append(float(loss))
     plan = f.get_plan()
+    if method_name.startswith("pipeshard"):
+        return {"losses": losses, "params": {k: _held(v) for k, v in state.items()}, "plan": _plan_hash(f)}
     return {"losses": losses, "mesh": list(plan.mesh.shape), "objective": plan.objective}
+
+
+def _held(value) -> list:
+    """The shards of `value` this process holds: [index as (start, stop) pairs, values]."""
+    return [[[(s.start, s.stop) for s in shard.index], np.asarray(shard.data).tolist()]
+            for shard in value.addressable_shards]
+
+
+def _plan_hash(f) -> str:
+    return f.get_plan().fingerprint()
 
 
 results = {name: train(name) for name in args.methods.split(",")}

@@ -17,6 +17,7 @@ import pytest
 
 from framework_models import eqx_mlp_program, gpt2, llama, lm_step, nnx_mlp_program, tokens
 from meshplan.capture import capture
+from meshplan.errors import PlanMismatchError
 from meshplan.parallel import (
     DataParallel,
     PipeshardParallel,
@@ -26,6 +27,8 @@ from meshplan.parallel import (
     Zero3Parallel,
     parallelize,
 )
+
+from data_files import DATA
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 METHODS = [ShardParallel(), DataParallel(), Zero2Parallel(), Zero3Parallel(), TensorParallel()]
@@ -94,6 +97,24 @@ def test_adamw_steps_match_one_device_whole_step_pipeshard(name, layers):
     plan = parallel.get_plan()
     assert [len(s.devices) for s in plan.stages] == [8 // layers] * layers
     assert all(s.intra_plan.unsupported_ops == () for s in plan.stages)
+
+
+def test_a_simulated_plan_runs_the_step_it_was_made_for():
+    """`meshplan simulate --model gpt2_2layer_config.json --cluster 2x4 --global-batch 8 --seq-len 16 --dtype
+    f32 --chunks 1 --out ...` (tests/data) planned 2 stages of 4 devices, (1, 4) meshes, 1 micro-batch:
+    PipeshardParallel(1, plan=that file) runs them on the 2-layer GPT-2 of that config like one device; a
+    batch of another size is refused."""
+    path = DATA / "gpt2_2layer_2x4_simulate_plan.json"
+    optimizer = optax.adamw(1e-3)
+    model = gpt2(layers=2)
+    step, params = lm_step(model, optimizer), model.params
+    parallel = parallelize(step, method=PipeshardParallel(1, plan=path))
+    assert_trains_like_one_device(parallel, step, params, optimizer, (tokens(),), tol=1e-4, key=("gpt2-2", "adamw"))
+    plan = parallel.get_plan()
+    assert [(s.devices, s.logical_mesh) for s in plan.stages] == [((0, 1, 2, 3), (1, 4)), ((4, 5, 6, 7), (1, 4))]
+    with pytest.raises(PlanMismatchError, match="made for a batch of 8 sequences but step gets 16; re-plan with "
+                                                "`meshplan simulate --global-batch 16`"):
+        parallelize(step, method=PipeshardParallel(1, plan=path))(params, optimizer.init(params), tokens(batch=16))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -84,6 +84,8 @@ def test_progress_reports_round_trip(tmp_path, monkeypatch):
         assert read_progress(str(path)).calls == 0
         progress_module.report_call()
         with progress_module.building():
+            with progress_module.building():  # nested (a pipeline's first run compiles its update pieces)
+                pass
             inside = read_progress(str(path))
         progress_module.report_call()
         after = read_progress(str(path))

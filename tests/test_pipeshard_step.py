@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from meshplan.errors import MeshError, MeshplanError, OptionsError
+from meshplan.errors import MeshError, MeshplanError, OptionsError, PlanMismatchError
 from meshplan.inter import cluster_layers, layer_flops
 from meshplan.parallel import PipeshardParallel, parallelize
 from meshplan.report.pipeshard_text import pipeshard_text
@@ -202,6 +202,37 @@ def test_adamw_mlp_step_on_2_and_4_stages(layers):
         device_sets = {frozenset(leaf.sharding.device_set) for leaf in jax.tree_util.tree_leaves(layer)}
         assert all(len(s) == per for s in device_sets)
     assert len(parallel.last_events) == 2 * 4 * layers
+
+
+def test_a_plan_from_get_plan_runs_again_and_a_mismatched_one_is_refused(tmp_path):
+    """PipeshardParallel(plan=FILE) runs get_plan()'s stages with their intra-op plans as they are
+    (not solved again: the solver's recorded wall time comes back), equal to one device; a plan made
+    for other shapes, micro-batches or layers is refused naming the difference."""
+    optimizer = optax.sgd(0.1)
+    step, params = optax_step(mlp_loss, optimizer), mlp_params()
+    state, batch = (params, optimizer.init(params)), regression_data()
+    first = parallelize(step, method=PipeshardParallel(2, layers=4))
+    first(*state, *batch)
+    path = tmp_path / "plan.json"
+    path.write_text(first.get_plan().to_json())
+    again = parallelize(step, method=PipeshardParallel(2, plan=str(path)))
+    assert_same_training(again, step, state, batch, tol=1e-5)
+    planned, reused = first.get_plan(), again.get_plan()
+    assert reused.option("stages") == "plan"
+    assert [(s.first_layer, s.last_layer, s.devices, s.logical_mesh) for s in reused.stages] == [
+        (s.first_layer, s.last_layer, s.devices, s.logical_mesh) for s in planned.stages]
+    assert [s.intra_plan.to_dict() for s in reused.stages] == [s.intra_plan.to_dict() for s in planned.stages]
+
+    wide = mlp_params(width=48)
+    wide_state, wide_batch = (wide, optimizer.init(wide)), regression_data(width=48)
+    with pytest.raises(PlanMismatchError, match=r"does not fit step: stage 0's operator 0 \(.*\) was planned as "
+                                                r"parameter \[32, 32\] but is parameter \[48, 48\] in step"):
+        parallelize(step, method=PipeshardParallel(2, plan=path))(*wide_state, *wide_batch)
+    with pytest.raises(PlanMismatchError, match="it runs 2 micro-batches but PipeshardParallel"
+                                                r"\(num_micro_batches=4\); pass num_micro_batches=2"):
+        parallelize(step, method=PipeshardParallel(4, plan=path))(*state, *batch)
+    with pytest.raises(PlanMismatchError, match=r"cuts the program into 4 layers but PipeshardParallel\(layers=2\)"):
+        parallelize(step, method=PipeshardParallel(2, layers=2, plan=path))(*state, *batch)
 
 
 @pytest.mark.parametrize(("schedule", "stage_sharding"),

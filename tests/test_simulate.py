@@ -83,6 +83,20 @@ def test_plan_json_round_trip(small_simulation):
         Plan.from_dict({**json.loads(text), "schema_version": 99})
 
 
+def test_plan_fingerprint_ignores_wall_times_only(small_simulation):
+    """Two processes that plan alike get one fingerprint although their solvers took other times."""
+    _, _, sim = small_simulation
+    data = json.loads(sim.plan.to_json())
+    for plan in data["piece_plans"]:
+        plan["solver"]["wall_s"] += 1.0
+        plan["problem"]["build_s"] += 1.0
+    data["metrics"] = {name: value + 1.0 if name.startswith("planner_s.") else value
+                       for name, value in data["metrics"].items()}
+    assert Plan.from_dict(data).fingerprint() == sim.plan.fingerprint()
+    data["stages"][0]["devices"] = list(reversed(data["stages"][0]["devices"]))
+    assert Plan.from_dict(data).fingerprint() != sim.plan.fingerprint()
+
+
 def test_model_that_cannot_fit_names_the_memory():
     job = TrainingJob(PRESETS["llama2-70b"], global_batch=8, seq_len=512)
     cluster = Cluster(1, 4, get_device("v100-16gb"))

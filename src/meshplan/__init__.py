@@ -21,6 +21,7 @@ from meshplan.errors import (
     MeshplanError,
     ModelSpecError,
     OptionsError,
+    PlanMismatchError,
     PlanValidationError,
     SolverError,
 )
@@ -66,9 +67,9 @@ def __getattr__(name: str):
 __all__ = [
     "Cluster", "CostModel", "DType", "Graph", "GraphBuilder", "GraphError", "InfeasiblePlanError", "IntraOptions",
     "IntraPlan", "LaunchError", "LogicalMesh", "MeshError", "MeshplanError", "ModelSpecError", "OpKind",
-    "OptionsError", "Plan", "PlanValidationError", "PlannerOptions", "ShardingSpec", "Simulation", "SolverError",
-    "TrainingJob", "check_graph", "format_graph", "get_device", "llama_forward", "model_config", "simulate",
-    "solve_intra",
+    "OptionsError", "Plan", "PlanMismatchError", "PlanValidationError", "PlannerOptions", "ShardingSpec",
+    "Simulation", "SolverError", "TrainingJob", "check_graph", "format_graph", "get_device", "llama_forward",
+    "model_config", "simulate", "solve_intra",
     # runtime, loaded on first use
     "DataParallel", "PipeshardParallel", "PipeshardStage", "ShardParallel", "TensorParallel", "Zero2Parallel",
     "Zero3Parallel", "apply_update", "mark_pipeline_boundary", "parallelize", "Decoder", "Server", "serve",

@@ -39,6 +39,11 @@ class PlanValidationError(MeshplanError):
     """A plan (or plan file) is inconsistent or of an unsupported schema version."""
 
 
+class PlanMismatchError(MeshplanError):
+    """A plan given to run a program was made for another program: other shapes, layers, devices or
+    micro-batches (the message names the first difference)."""
+
+
 class LaunchError(MeshplanError):
     """A multi-process launch cannot start: bad options, a missing script, an unreachable cluster,
     or a worker whose devices are not what the launcher gave it."""

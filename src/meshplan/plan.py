@@ -10,6 +10,7 @@ this one schema. No devices, arrays or JAX objects live here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -184,6 +185,14 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def fingerprint(self) -> str:
+        """A SHA-256 of the plan's decisions, leaving out the planner's own wall times (solver and
+        build seconds, "planner_s." metrics), which differ from run to run: two processes that
+        planned the same step have the same fingerprint."""
+        data = _without_timings(self.to_dict())
+        data["metrics"] = {k: v for k, v in data["metrics"].items() if not k.startswith("planner_s.")}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
     @staticmethod
     def from_dict(data: Any) -> Plan:
         """The plan `to_dict` wrote.
@@ -219,6 +228,17 @@ def single_stage_plan(intra: IntraPlan, source: str, model: str, **fields: Any) 
     last = max((n.layer for n in intra.nodes if n.layer is not None), default=0)
     stage = Stage(0, last, mesh.device_ids, mesh.shape, intra_plan=intra, memory_bytes=intra.peak_memory)
     return Plan(source, model, (stage,), **fields)
+
+
+_TIMINGS = frozenset({"wall_s", "build_s"})
+
+
+def _without_timings(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k not in _TIMINGS}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
 
 
 def _plain(value: Any) -> Any:

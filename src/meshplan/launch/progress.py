@@ -57,6 +57,7 @@ class _Reporter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self._calls, self._building = 0, False
+        self.depth = 0  # nested `building()` blocks open
 
     def report(self, calls: int | None = None, building: bool | None = None) -> None:
         with self._lock:
@@ -90,13 +91,16 @@ def report_call() -> None:
 
 @contextlib.contextmanager
 def building() -> Iterator[None]:
-    """This process is building its current call (capture, plan, compile): busy, not hung."""
+    """This process is building its current call (capture, plan, compile): busy, not hung. Nests:
+    the process is building until the outermost block ends."""
     reporter = _reporter()
     if reporter is None:
         yield
         return
+    reporter.depth += 1
     reporter.report(building=True)
     try:
         yield
     finally:
-        reporter.report(building=False)
+        reporter.depth -= 1
+        reporter.report(building=reporter.depth > 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -23,6 +24,7 @@ from meshplan.cost.model import CostModel
 from meshplan.errors import MeshError, OptionsError
 from meshplan.inter.schedules import RUNNABLE_SCHEDULES
 from meshplan.intra.options import IntraOptions
+from meshplan.plan import Plan
 
 STAGE_SHARDINGS = ("auto", "data_parallel", "replicated")
 
@@ -80,6 +82,10 @@ class PipeshardParallel:
             along dim 0 over the stage's devices (params replicated, grads summed); "replicated".
         stage_mesh_shape: the logical mesh of every stage for "uniform" stages (default
             `default_mesh_shape` of the stage's device count).
+        plan: a plan to run instead of planning (a JSON file's path or a Plan): one `get_plan()`
+            returned (stages and stage layouts reused) or `meshplan simulate --out` wrote (stages,
+            devices and logical meshes run, stage layouts planned here); refused with the reason
+            (PlanMismatchError) when it was made for another program (meshplan.parallel.given_plan).
     """
 
     num_micro_batches: int
@@ -88,6 +94,7 @@ class PipeshardParallel:
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     stage_sharding: Literal["auto", "data_parallel", "replicated"] = "auto"
     stage_mesh_shape: tuple[int, ...] | None = None
+    plan: str | os.PathLike[str] | Plan | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
@@ -101,6 +108,12 @@ class PipeshardParallel:
         if self.stage_sharding not in STAGE_SHARDINGS:
             raise OptionsError(f"PipeshardParallel(stage_sharding={self.stage_sharding!r}): use one of "
                                f"{list(STAGE_SHARDINGS)}")
+        if self.plan is not None:
+            if not isinstance(self.plan, (str, os.PathLike, Plan)):
+                raise OptionsError(f"PipeshardParallel(plan={self.plan!r}): give a plan file's path or a Plan")
+            if self.stages != "uniform" or self.stage_mesh_shape is not None:
+                raise OptionsError("PipeshardParallel(plan=...) runs the plan's stages; drop stages= and "
+                                   "stage_mesh_shape=")
         if self.stage_mesh_shape is not None:
             if self.stages != "uniform":
                 raise OptionsError("PipeshardParallel(stage_mesh_shape=...) applies to stages='uniform'; give "

@@ -16,6 +16,7 @@ pure `Plan`; the jitted layouts and the executed steps stay here.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -25,15 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from meshplan.capture import capture, check_micro_batchable, find_batch_inputs, given_batch_inputs
 from meshplan.cluster.costs import DeviceCosts
 from meshplan.errors import OptionsError
 from meshplan.inter.schedules import Event
+from meshplan.launch.progress import building
 from meshplan.parallel.call import CallForm, dynamic_slots, with_fixed_slots
 from meshplan.parallel.donation import UnusedDonationWarning
 from meshplan.parallel.function import DebugFile, ParallelizedFunction
+from meshplan.parallel.given_plan import GivenPlan, check_program, check_stage_graph, read_given_plan
 from meshplan.parallel.nnx_objects import has_objects
 from meshplan.parallel.pipeshard import PipeshardParallel, StageAssignment, auto_layer_count, stage_assignments
 from meshplan.parallel.pipeshard_step import (
@@ -52,6 +55,7 @@ from meshplan.plan import Plan, Prediction, Stage
 from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
 from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
+from meshplan.runtime.handoff import absent, is_multi_process, move, owns, settled
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
 from meshplan.runtime.pipeline import Pipeline, run_forward, run_micro_batches, run_pipeline, sum_of
@@ -114,6 +118,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         super().__init__(fn, method, devices, costs)
         self.batch_argnums, self.donate_argnums = batch_argnums, donate_argnums
         self._events: tuple[Event, ...] = ()
+        self._given: GivenPlan | None = None
+        self._ran: set[int] = set()  # builds that have run once (their programs are compiled)
 
     def _run(self, args: tuple[Any, ...]) -> Any:
         """The step's results (a train or inference step), or loss and grads equal to
@@ -125,6 +131,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         them.
         """
         compiled = self._compiled(args)
+        # The stages' programs compile on their first run, which is building, not hanging, for the
+        # launcher's hang watch: processes holding late stages compile long after the others wait.
+        with building() if id(compiled) not in self._ran else contextlib.nullcontext():
+            result = self._run_compiled(compiled, args)
+        self._ran.add(id(compiled))
+        return result
+
+    def _run_compiled(self, compiled: _Compiled | _StepCompiled | _ForwardCompiled, args: tuple[Any, ...]) -> Any:
         if isinstance(compiled, _StepCompiled):
             return _scalars_together(self._run_step(compiled, args), compiled.parts.pipeline.stage_meshes[-1])
         if isinstance(compiled, _ForwardCompiled):
@@ -135,7 +149,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                               self.method.schedule)
         self._events = result.events
         grads = [g for stage_grads in result.grads for g in stage_grads]
-        return result.loss, tuple(grads) if isinstance(params, tuple) else grads
+        loss = _scalars_together(result.loss, compiled.pipeline.stage_meshes[-1])
+        return loss, tuple(grads) if isinstance(params, tuple) else grads
 
     def get_plan(self) -> Plan:
         """The Plan of the last call: stages (layers, devices, logical mesh, intra-op plan),
@@ -196,12 +211,10 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         return files
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled | _StepCompiled | _ForwardCompiled:
-        if jax.process_count() > 1:  # hand-offs are device_puts, which cannot cross processes
-            raise OptionsError(f"{self.__name__}: PipeshardParallel runs in one process, but JAX runs "
-                               f"{jax.process_count()} (jax.distributed); use ShardParallel, DataParallel, "
-                               f"Zero2Parallel, Zero3Parallel or TensorParallel across processes")
         devices = list(self.devices) if self.devices is not None else jax.devices()
         self.costs.check_devices(len(devices), f"parallelize({self.__name__})")
+        # A given plan shapes every part of the build (layer count, stages, layouts): kept for its duration.
+        self._given = None if self.method.plan is None else read_given_plan(self.method, len(devices), self.__name__)
         step = trace_step(self.fn, args, self.__name__)
         if step is not None:
             return self._build_step(args, step, devices)
@@ -322,6 +335,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                                f"or remove the marks to cut into {method.layers} layers by FLOPs")
         if marks:
             return None
+        if self._given is not None:
+            return self._given.num_layers
         return method.layers if method.layers != "auto" else auto_layer_count(method, num_devices)
 
     def _cut_loss(self, full: TracedStep, micro: TracedStep,
@@ -415,7 +430,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         micro-batch (default: `micro_x`'s first leaf's leading dim); `forward_only`: inference."""
         method, params = self.method, layer_params
         search = None
-        if method.stages == "auto":
+        if self._given is not None:
+            kind = "forward" if forward_only else "whole" if micro_t == () else "loss"
+            rows = micro_rows if micro_rows is not None else jax.tree_util.tree_leaves(micro_x)[0].shape[0]
+            weights = {id(leaf): leaf for p in params for leaf in jax.tree_util.tree_leaves(p)}
+            check_program(self._given, self.__name__, kind, len(layer_fns), rows * method.num_micro_batches,
+                          sum(int(np.prod(leaf.shape)) for leaf in weights.values()))
+            stages = self._given.stages
+        elif method.stages == "auto":
             search = search_stages(layer_fns, params, micro_x, micro_t, len(devices),
                                    method.num_micro_batches, method.options(self.costs), self.costs, method.schedule)
             stages = search.stages
@@ -444,11 +466,14 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         for k, (fn, mesh, stage) in enumerate(zip(stage_fns, meshes, stages, strict=True)):
             if self.method.stage_sharding == "auto":
                 logical = self.costs.mesh(stage.mesh_shape, stage.devices)
+                given = None
+                if self._given is not None and self._given.intra_plans[k] is not None:
+                    given = lambda graph, k=k: check_stage_graph(self._given, k, graph, self.__name__)  # noqa: E731
                 layouts.append(planned_layout(fn, mesh, logical, self.method.options(self.costs),
                                               stage_params[k], acts[k],
                                               targets if k == last and not forward_only else None,
                                               differentiate_input=k > 0, name=f"{self.__name__}.stage{k}",
-                                              backward=not forward_only))
+                                              backward=not forward_only, given=given))
             else:
                 default = data_parallel_layout if self.method.stage_sharding == "data_parallel" else replicated_layout
                 layouts.append(default(fn, mesh, k == last))
@@ -469,7 +494,7 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
             prediction = Prediction(search.inter.iteration_time, search.inter.pipeline_time, search.inter.sync_time)
             metrics = tuple((f"layer_s.{k}.{'x'.join(map(str, view))}", t) for k in range(search.costs.num_layers)
                             for view, t in search.layer_times(k).items())
-        kind = method.stages if isinstance(method.stages, str) else "explicit"
+        kind = "plan" if self._given else method.stages if isinstance(method.stages, str) else "explicit"
         return Plan("pipeshard", self.__name__, records, method.schedule, method.num_micro_batches,
                     prediction=prediction, metrics=metrics,
                     options=(("stages", kind), ("stage_sharding", method.stage_sharding)))
@@ -534,7 +559,13 @@ def _parts(compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> _Compiled:
 def _scalars_together(results: Any, mesh: Mesh) -> Any:
     """`results` with every scalar array on `mesh` (the last stage's, where the loss is): a step's
     metrics are updated on several stages (an nnx metric's total where the loss is, its count
-    elsewhere), and code that combines them eagerly (`metrics.compute()`) needs them on one."""
+    elsewhere), and code that combines them eagerly (`metrics.compute()`) needs them on one. In a
+    job of several processes scalars go whole to every device of the job instead, so that every
+    process can read the loss as with the other methods."""
+    if is_multi_process():
+        everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+        return jax.tree_util.tree_map(
+            lambda v: move(v, everywhere) if isinstance(v, jax.Array) and v.ndim == 0 else v, results)
     return jax.tree_util.tree_map(lambda v: on_mesh(v, mesh) if isinstance(v, jax.Array) and v.ndim == 0 else v,
                                   results)
 
@@ -557,13 +588,22 @@ def _placed_weights(pipeline: Pipeline, positions: list[tuple[tuple[int, ...], .
         values = [leaves[i] for i in flat]
         shardings = [x.sharding for x in jax.tree_util.tree_leaves(
             _placed(shapes_of(jax.tree_util.tree_unflatten(tree, values)), pipeline.sharding(k)))]
-        values = [jnp.array(v, copy=True) if i in donated and not _is_placed(v, where) else v
+        values = [_caller_copy(v) if i in donated and not _is_placed(v, where) else v
                   for i, v, where in zip(flat, values, shardings, strict=True)]
-        placed = jax.device_put(values, shardings)
+        placed = jax.device_put(values, shardings) if not is_multi_process() else [
+            move(v, where) for v, where in zip(values, shardings, strict=True)]
         for i, value in zip(flat, placed, strict=True):
             first.setdefault(i, value)
         per_stage.append(jax.tree_util.tree_unflatten(tree, placed))
     return per_stage, first
+
+
+def _caller_copy(value: Any) -> Any:
+    """A copy of a caller's value that is about to be donated; a value on another process's devices
+    needs none (its hand-off makes new buffers)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value
+    return jnp.array(value, copy=True)
 
 
 def _is_placed(value: Any, where: Any) -> bool:
@@ -589,7 +629,13 @@ def _micro_inputs(compiled: _StepCompiled | _ForwardCompiled, values: Sequence[A
     stats: tuple[Any, ...] = ()
     if compiled.statistics is not None:
         last = compiled.parts.pipeline.stage_meshes[-1]
-        stats = tuple(compiled.statistics(*(on_mesh(values[p], last) for p in compiled.program.statistic_inputs)))
+        inputs = [on_mesh(values[p], last) for p in compiled.program.statistic_inputs]
+        if not is_multi_process():
+            stats = tuple(compiled.statistics(*inputs))
+        else:  # laid out whole on the last stage, so every process knows where they are
+            whole = NamedSharding(last, PartitionSpec())
+            stats = settled(tuple(move(v, whole) for v in compiled.statistics(*inputs))) if owns(last) else tuple(
+                absent(a.shape, a.dtype, whole) for a in compiled.program.statistics.out_avals)
     index = compiled.program.indexed
     return [(*(_micro_batch(leaves[i], compiled.batch.get(i), m, count) for i in rest), *stats,
              *((np.int32(m),) if index else ())) for m in range(count)]

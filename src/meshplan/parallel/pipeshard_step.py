@@ -15,13 +15,15 @@
   that holds its largest input (a weight's gradient, its optimizer moments follow it),
   equations on values no stage holds (a step counter) follow their first consumer, and the
   equations are grouped into as few jitted pieces as their dependencies allow; the few scalars
-  that cross stages (a shared step count, a global gradient norm) are moved with `device_put`;
+  that cross stages (a shared step count, a global gradient norm) are handed off
+  (runtime.handoff: `device_put` in one process, a jitted program across processes);
 * a weight read by layers of several stages (tied embeddings) gets each stage's gradient,
   summed on the first such stage (its *owner*) before the update, which runs there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +36,9 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import OptionsError
+from meshplan.launch.progress import building
 from meshplan.runtime.gradient import GradientCall, gradient_calls, nested_gradient, trace_with_gradients
+from meshplan.runtime.handoff import absent, is_multi_process, move, owns, settled
 from meshplan.runtime.replay import read, replay
 
 
@@ -306,16 +310,35 @@ class UpdateRunner:
 
     def _jit(self, n: int, inputs: Sequence[Any]) -> Any:
         """Piece n jitted; a result that takes a donated input's buffer is laid out as that input
-        (XLA reuses a buffer only for the same layout, and the next step finds the value in place)."""
-        donated = self.donations[n]
-        shardings = tuple(inputs[i].sharding for i in donated)
-        key = (n, shardings)
+        (XLA reuses a buffer only for the same layout, and the next step finds the value in place).
+        In a job of several processes every result's layout is declared (`_declared_shardings`)."""
+        key = self._key(n, inputs)
         if key not in self._jitted:
-            out = [None] * len(self.pieces[n].outputs)
-            for j, where in zip(donated.values(), shardings, strict=True):
-                out[j] = where
-            self._jitted[key] = jax.jit(self._fns[n], donate_argnums=tuple(donated), out_shardings=tuple(out))
+            out = self._declared_shardings(n, inputs)
+            self._jitted[key] = jax.jit(self._fns[n], donate_argnums=tuple(self.donations[n]),
+                                        out_shardings=tuple(out))
         return self._jitted[key]
+
+    def _key(self, n: int, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """What piece n's jitted function depends on besides the piece: its inputs' layouts."""
+        return (n, tuple(inputs[i].sharding for i in self.donations[n]) if not is_multi_process()
+                else tuple(x.sharding for x in inputs))
+
+    def _declared_shardings(self, n: int, inputs: Sequence[Any]) -> list[Any]:
+        """Piece n's result layouts: a donated input's for the result taking its buffer; in a job of
+        several processes, where every process must know each result's layout without running the
+        piece, the first input of the same shape and dtype's for the others, else replicated."""
+        piece, donated = self.pieces[n], self.donations[n]
+        out: list[Any] = [None] * len(piece.outputs)
+        for i, j in donated.items():
+            out[j] = inputs[i].sharding
+        if is_multi_process():
+            whole = NamedSharding(self.meshes[piece.stage], PartitionSpec())
+            for j, v in enumerate(piece.outputs):
+                if out[j] is None:
+                    out[j] = next((x.sharding for x, u in zip(inputs, piece.inputs, strict=True)
+                                   if _same_aval(u.aval, v.aval)), whole)
+        return out
 
     def _piece_fn(self, piece: UpdatePiece) -> Any:
         consts = self._consts
@@ -333,7 +356,13 @@ class UpdateRunner:
             inputs = [on_mesh(_own_copy(env[v], mesh) if i in donated else env[v], mesh)
                       for i, v in enumerate(piece.inputs)]
             self._last_inputs[n] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in inputs]
-            values = self._jit(n, inputs)(*inputs)
+            if owns(mesh):
+                fresh = self._key(n, inputs) not in self._jitted
+                with building() if fresh else contextlib.nullcontext():  # compiles: for the hang watch
+                    values = settled(self._jit(n, inputs)(*inputs))
+            else:  # another process's piece: its results' layouts only
+                values = [absent(v.aval.shape, v.aval.dtype, where) for v, where in
+                          zip(piece.outputs, self._declared_shardings(n, inputs), strict=True)]
             env.update(zip(piece.outputs, (on_mesh(v, mesh) for v in values), strict=True))
         jaxpr = self.step.closed.jaxpr
         outs = [v.val if isinstance(v, Literal) else self._consts[v] if v in self._consts else env[v]
@@ -374,6 +403,8 @@ def _own_copy(value: Any, mesh: Mesh) -> Any:
     sharding = getattr(value, "sharding", None)
     if sharding is not None and sharding.device_set == set(mesh.devices.flat):
         return value
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value  # on another process's devices: the hand-off makes new buffers
     return jnp.array(value, copy=True)
 
 
@@ -382,7 +413,7 @@ def on_mesh(value: Any, mesh: Mesh) -> Any:
     sharding = getattr(value, "sharding", None)
     if sharding is not None and sharding.device_set == set(mesh.devices.flat):
         return value
-    return jax.device_put(value, NamedSharding(mesh, PartitionSpec()))
+    return move(value, NamedSharding(mesh, PartitionSpec()))
 
 
 def _host(value: Any) -> Any:
@@ -399,5 +430,9 @@ def summed(contributions: Sequence[Any]) -> Any:
     """The sum of one weight's gradient contributions, on the first one's devices and layout."""
     total = contributions[0]
     for c in contributions[1:]:
-        total = _add(total, jax.device_put(c, total.sharding))
+        c = move(c, total.sharding)
+        if not is_multi_process():
+            total = _add(total, c)
+        elif owns(total.sharding):
+            total = settled(move(_add(total, c), total.sharding))
     return total

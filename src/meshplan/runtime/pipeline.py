@@ -1,9 +1,14 @@
 """Inter-op runtime: stage functions on disjoint sub-meshes + a batch -> pipelined loss and grads.
 
 Each stage is jitted on its own sub-mesh; a micro-batch's forward saves the stage's `jax.vjp`
-function, activations and cotangents hop between sub-meshes with `jax.device_put`, and a GPipe
-or 1F1B schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous, so
-steps of different stages that the schedule puts side by side overlap on their devices.
+function, activations and cotangents hop between sub-meshes (runtime.handoff: `jax.device_put` in
+one process, a jitted program over both stages' devices across processes), and a GPipe or 1F1B
+schedule orders the forward (F) and backward (B) steps. Dispatch is asynchronous, so steps of
+different stages that the schedule puts side by side overlap on their devices. In a job of several
+processes every process walks the whole schedule in the same order and runs the steps of the stages
+it holds devices of, and the hand-offs it sends or receives: collectives meet in one order
+everywhere, so none waits for a peer that waits for it (each program is waited for there:
+runtime.handoff.settled).
 
 Where a stage keeps its params, activations and targets is its StageLayout
 (runtime.stage_layout): replicated by default; with `data_parallel=True` activations, targets and
@@ -19,10 +24,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.errors import MeshError, OptionsError
 from meshplan.inter.schedules import Event, Phase, make_schedule
+from meshplan.runtime.handoff import absent, absent_like, is_multi_process, move, move_tree, owns, settled
 from meshplan.runtime.stage_layout import StageFn, StageLayout, data_parallel_layout, replicated_layout
 
 
@@ -49,6 +55,7 @@ class Pipeline:
     forward_only: bool = False
     _forwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
     _backwards: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+    _declared: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_fns", tuple(self.stage_fns))
@@ -68,6 +75,48 @@ class Pipeline:
                                     for k, layout in enumerate(self.layouts)), strict=True)
         object.__setattr__(self, "_forwards", forwards)
         object.__setattr__(self, "_backwards", backwards)
+        object.__setattr__(self, "_declared", {})
+
+    def run_forward_step(self, stage: int, params: Any, x: Any, *targets: Any) -> tuple[Any, Any]:
+        """Stage `stage`'s jitted forward: `(y, vjp_fn)`. In a job of several processes, a process
+        that owns none of the stage's devices skips it and gets `y` as arrays with no shards here
+        (`vjp_fn` None); the owners' `y` is laid out as declared, so every process knows where it is."""
+        run = self._forwards[stage]
+        if self.forward_only:
+            run = lambda *args: (self._forwards[stage](*args), None)  # noqa: E731
+        if not is_multi_process():
+            return run(params, x, *targets)
+        shapes = self._declared_shapes(("forward", stage), lambda: jax.eval_shape(
+            lambda p, x_: run(p, x_, *targets)[0], params, x), self.output_sharding(stage), stage)
+        if not owns(self.stage_meshes[stage]):
+            return absent_like(shapes), None
+        y, vjp_fn = run(params, x, *targets)
+        return settled(_as_declared(y, shapes)), vjp_fn
+
+    def run_backward_step(self, stage: int, vjp_fn: Any, cotangent: Any, params: Any, x: Any) -> tuple[Any, Any]:
+        """Stage `stage`'s jitted backward: `(param grads, input cotangent)`; `params` and `x` (the
+        forward's arguments, arrays or shapes) give the results' shapes to processes that skip it."""
+        if not is_multi_process():
+            return self._backwards[stage](vjp_fn, cotangent)
+        grads = self._declared_shapes(("grads", stage), lambda: jax.eval_shape(lambda p: p, params),
+                                      self.layouts[stage].param_grads, stage)
+        dx = self._declared_shapes(("dx", stage), lambda: jax.eval_shape(lambda x_: _split_float(x_)[0], x),
+                                   self.layouts[stage].input_grads, stage)
+        if not owns(self.stage_meshes[stage]):
+            return absent_like(grads), absent_like(dx)
+        grad, dx_value = self._backwards[stage](vjp_fn, cotangent)
+        return settled((_as_declared(grad, grads), _as_declared(dx_value, dx)))
+
+    def _declared_shapes(self, key: Any, shapes: Callable[[], Any], shardings: Any, stage: int) -> Any:
+        """ShapeDtypeStructs of a stage step's results with their declared shardings (a pytree
+        prefix; None: replicated on the stage's mesh), computed once."""
+        if key not in self._declared:
+            whole = NamedSharding(self.stage_meshes[stage], PartitionSpec())
+            self._declared[key] = jax.tree_util.tree_map(
+                lambda where, sub: jax.tree_util.tree_map(
+                    lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where or whole), sub),
+                shardings, shapes(), is_leaf=lambda v: v is None)
+        return self._declared[key]
 
     @property
     def num_stages(self) -> int:
@@ -208,7 +257,7 @@ def place_params(pipeline: Pipeline, params_per_stage: Sequence[Any]) -> list[An
     if len(params_per_stage) != pipeline.num_stages:
         raise OptionsError(f"got params for {len(params_per_stage)} stages but the pipeline has "
                            f"{pipeline.num_stages}; pass one params pytree per stage")
-    return [jax.device_put(p, pipeline.sharding(k)) for k, p in enumerate(params_per_stage)]
+    return [move_tree(p, pipeline.sharding(k)) for k, p in enumerate(params_per_stage)]
 
 
 def _micro_batches(tree: Any, count: int, name: str) -> list[Any]:
@@ -234,6 +283,7 @@ class _Run:
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     vjps: dict[tuple[int, int], Any] = field(default_factory=dict)
     cotangents: dict[tuple[int, int], Any] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Any] = field(default_factory=dict)  # forward inputs (several processes only)
     losses: list[Any] = field(default_factory=list)
     auxes: list[Any] = field(default_factory=list)
     grads: dict[int, Any] = field(default_factory=dict)
@@ -242,12 +292,14 @@ class _Run:
         pipeline = self.pipeline
         x = self.inputs[m] if s == 0 else self.outputs.pop((s - 1, m))
         pipeline.check_batch_split(s, x, "input")
-        x = jax.device_put(x, pipeline.activation_sharding(s))
+        x = move_tree(x, pipeline.activation_sharding(s))
         last = s == pipeline.num_stages - 1
         if last:
             pipeline.check_batch_split(s, self.targets[m], "targets")
-        extra = (jax.device_put(self.targets[m], pipeline.targets_sharding()),) if last else ()
-        y, self.vjps[(s, m)] = self.pipeline._forwards[s](self.params[s], x, *extra)
+        extra = (move_tree(self.targets[m], pipeline.targets_sharding()),) if last else ()
+        if is_multi_process():  # the backward's result shapes, for the processes that skip it
+            self.saved[(s, m)] = x
+        y, self.vjps[(s, m)] = pipeline.run_forward_step(s, self.params[s], x, *extra)
         if last and pipeline.last_has_aux:
             self.losses.append(y[0])
             self.auxes.append(y[1])
@@ -261,9 +313,15 @@ class _Run:
         if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
             ct = self.seed.astype(self.losses[0].dtype)
         else:
-            ct = jax.device_put(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
-        grad, dx = self.pipeline._backwards[s](self.vjps.pop((s, m)), ct)
-        self.grads[s] = grad if s not in self.grads else _accumulate(self.grads[s], grad)
+            ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
+        grad, dx = self.pipeline.run_backward_step(s, self.vjps.pop((s, m)), ct, self.params[s],
+                                                   self.saved.pop((s, m), None))
+        if s not in self.grads:
+            self.grads[s] = grad
+        elif not is_multi_process():
+            self.grads[s] = _accumulate(self.grads[s], grad)
+        elif owns(self.pipeline.stage_meshes[s]):
+            self.grads[s] = settled(_as_declared(_accumulate(self.grads[s], grad), self.grads[s]))
         if s:
             self.cotangents[(s, m)] = dx
 
@@ -318,8 +376,25 @@ def run_micro_batches(pipeline: Pipeline, params_per_stage: Sequence[Any], input
         step = run.forward if event.phase is Phase.FORWARD else run.backward
         step(event.stage, event.micro_batch)
         executed.append(event)
-    total = sum_of(run.losses) if loss == "sum" else _mean(run.losses)
+    total = _on_owners(sum_of if loss == "sum" else _mean, run.losses)
     return PipelineResult(total, [run.grads[k] for k in range(pipeline.num_stages)], tuple(executed), tuple(run.auxes))
+
+
+def _as_declared(values: Any, shapes: Any) -> Any:
+    """`values` laid out as the shardings of `shapes` (arrays or ShapeDtypeStructs): in a job of
+    several processes every process must know where a stage's results are, so owners fix them."""
+    return jax.tree_util.tree_map(lambda v, s: move(v, s.sharding), values, shapes)
+
+
+def _on_owners(fn: Callable[[list[Any]], Any], values: list[Any]) -> Any:
+    """`fn(values)` (arrays of one shape on one stage), laid out as `values[0]`; skipped by the
+    processes owning none of their devices."""
+    first = values[0]
+    if not is_multi_process():
+        return fn(values)
+    if not owns(first.sharding):
+        return absent(first.shape, first.dtype, first.sharding)
+    return settled(move(fn(values), first.sharding))
 
 
 @jax.jit
@@ -356,7 +431,7 @@ def run_forward(pipeline: Pipeline, params_per_stage: Sequence[Any], inputs: Seq
     for t in range(stages + count - 1):
         for s in range(max(0, t - count + 1), min(stages, t + 1)):
             m = t - s
-            y = pipeline._forwards[s](params[s], jax.device_put(acts.pop(m), pipeline.activation_sharding(s)))
+            y, _ = pipeline.run_forward_step(s, params[s], move_tree(acts.pop(m), pipeline.activation_sharding(s)))
             if s == stages - 1:
                 outputs[m] = y
             else:

@@ -80,7 +80,7 @@ def data_parallel_layout(fn: StageFn, mesh: Mesh, is_last: bool) -> StageLayout:
 
 def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any,
                    targets: Any = None, differentiate_input: bool = True, name: str = "stage",
-                   backward: bool = True) -> StageLayout:
+                   backward: bool = True, given: Callable[[Graph], IntraPlan] | None = None) -> StageLayout:
     """Plan the stage's forward and backward with the intra-op ILP and lay it out accordingly.
 
     Args:
@@ -93,9 +93,10 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
         differentiate_input: plan the gradient of `x` too (every stage but the first needs it).
         name: the captured graph's name.
         backward: plan the backward too (False: an inference stage, forward only).
+        given: instead of solving, the plan to use for the graph planned (it may check and refuse it).
     """
     captured, planned, plan = plan_stage(fn, logical, options, params, x, targets, differentiate_input, name,
-                                         backward)
+                                         backward, given)
     graph, grads = planned
     specs = {c.node: c.output for c in plan.nodes}
     num_params, num_x = (len(jax.tree_util.tree_leaves(a)) for a in (params, x))
@@ -117,8 +118,10 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
 
 def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any, targets: Any = None,
                differentiate_input: bool = True, name: str = "stage", backward: bool = True,
+               given: Callable[[Graph], IntraPlan] | None = None,
                ) -> tuple[Captured, tuple[Graph, dict[int, int]], IntraPlan]:
-    """Capture the stage, append its VJP and solve the intra-op ILP; arguments as `planned_layout`.
+    """Capture the stage, append its VJP and solve the intra-op ILP (or take `given`'s plan);
+    arguments as `planned_layout`.
 
     Returns:
         (the captured forward; the planned graph, forward + VJP (or the forward alone when some
@@ -130,7 +133,7 @@ def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params:
     planned = with_backward(captured, range(num_params + num_x if differentiate_input else num_params)) if backward \
         else None
     planned = planned or (captured.graph, {})
-    return captured, planned, solve_intra(planned[0], logical, options)
+    return captured, planned, given(planned[0]) if given else solve_intra(planned[0], logical, options)
 
 
 def _constrained(captured: Captured, specs: dict[int, Any], logical: LogicalMesh, mesh: Mesh) -> StageFn:
