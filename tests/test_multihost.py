@@ -49,8 +49,18 @@ def launch(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProces
     test helpers importable; its result and wall seconds."""
     path = os.pathsep.join(str(p) for p in (HERE.parent / "src", HERE))
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "meshplan.cli", "launch", *args], capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    command = [sys.executable, "-m", "meshplan.cli", "launch", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}) as launcher:
+        try:
+            stdout, stderr = launcher.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not the SIGKILL subprocess.run sends: the launcher then ends its workers
+            # (they run in sessions of their own) instead of leaving them behind.
+            launcher.terminate()
+            stdout, stderr = launcher.communicate(timeout=60)
+            pytest.fail(f"meshplan launch {' '.join(args)} ran past {timeout} s; its stderr:\n{stderr[-3000:]}")
+    result = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
     return result, time.monotonic() - start
 
 
