@@ -282,10 +282,11 @@ def baselines_table(plan: Plan) -> Table:
               f"{auto.iteration_time_s:.3f}", f"{auto.tokens_per_s:,.0f}", f"{auto.mfu:.1%}", "1.00x")
     for b in plan.baselines:
         p = b.prediction
+        config = b.config.replace(",", ", ")  # a layout wraps between its keys (parse_layout takes either)
         if p is None:
-            t.add_row(b.name, b.config, "no fit", "-", "-", "-")
+            t.add_row(b.name, config, "no fit", "-", "-", "-")
         else:
-            t.add_row(b.name, b.config, f"{p.iteration_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
+            t.add_row(b.name, config, f"{p.iteration_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
                       f"{auto.tokens_per_s / p.tokens_per_s:.2f}x")
     return t
 
