@@ -160,6 +160,8 @@ class _BandTable:
                       for n in range(1, k + 1)]
         # Fastest candidate per (span, s, m): spans whose fastest exceeds t_max are skipped.
         self.fastest = np.stack([b.min(axis=2) for b in self.bands])  # [n - 1, s, m]
+        # Slowest finite candidate per (span, s, m): a band all within t_max needs no masking.
+        self.slowest = np.stack([np.where(np.isfinite(b), b, -INF).max(axis=2) for b in self.bands])
 
     def candidates(self) -> np.ndarray:
         values = np.concatenate([b[1:].ravel() for b in self.bands])
@@ -194,7 +196,8 @@ class _BandTable:
                     if k_lo >= r1:
                         continue
                     band = self.bands[n - 1][s, m, k_lo:r1]
-                    band = np.where(band <= t_max, band, INF)
+                    if self.slowest[n - 1, s, m] > t_max:
+                        band = np.where(band <= t_max, band, INF)
                     target = f_cur[k_lo:r1, c0:c1]
                     np.minimum(target, band[:, None] + f_prev[k_lo + n:r1 + n, c0 - size:c1 - size], out=target)
             history.append(f_cur)
