@@ -31,6 +31,8 @@ import numpy as np
 from meshplan.inter.schedules import pipeline_latency
 
 INF = math.inf
+# Cells of the stage DP's temporary per relaxation step (8 bytes each).
+CHUNK_CELLS = 1 << 21
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +179,10 @@ class _BandTable:
         longest = int(np.flatnonzero(usable.any(axis=(1, 2))).max(initial=-1)) + 1
         if longest == 0:
             return None
+        padded = np.full((2 * k_all + 1, d_all + 1), INF)  # F(s - 1, ., .) with inf rows past K
         for s in range(1, self.max_stages + 1):
             f_cur = np.full_like(f_prev, INF)
+            padded[:k_all + 1] = f_prev
             # s stages hold layers k.. only if s <= K - k <= s * longest, and use s * smallest
             # to s * largest devices: the rest of F(s, ., .) stays inf without being computed.
             k_lo, k_hi = max(0, k_all - s * longest), k_all - s
@@ -187,16 +191,11 @@ class _BandTable:
                 break
             for m, size in enumerate(self.sizes):
                 c0, c1 = max(int(size), d_lo), d_hi + 1
-                if c0 >= c1:
-                    continue
-                for n in np.flatnonzero(usable[:, s, m]) + 1:
-                    r1 = min(k_hi, k_all - n) + 1
-                    if k_lo >= r1:
-                        continue
-                    band = self.bands[n - 1][s, m, k_lo:r1]
-                    band = np.where(band <= t_max, band, INF)
-                    target = f_cur[k_lo:r1, c0:c1]
-                    np.minimum(target, band[:, None] + f_prev[k_lo + n:r1 + n, c0 - size:c1 - size], out=target)
+                spans = np.flatnonzero(usable[:, s, m]) + 1
+                spans = spans[spans <= k_all - k_lo]
+                if c0 < c1 and spans.size:
+                    self._relax(f_cur[k_lo:k_hi + 1, c0:c1], padded[:, c0 - size:c1 - size], spans, s, m, k_lo,
+                                t_max)
             history.append(f_cur)
             if f_cur[0, d_all] < best_value:
                 best_s, best_value = s, f_cur[0, d_all]
@@ -204,6 +203,23 @@ class _BandTable:
         if best_s == 0:
             return None
         return self._backtrack(history, best_s, t_max)
+
+    def _relax(self, target: np.ndarray, previous: np.ndarray, spans: np.ndarray, s: int, m: int, k_lo: int,
+               t_max: float) -> None:
+        """target[k - k_lo, d] = min(target, t(k..k+n-1) + previous[k + n, d]) over the spans n,
+        all spans at once (in chunks that bound the temporary): the same sums as one by one."""
+        rows = target.shape[0]
+        chunk = max(1, CHUNK_CELLS // max(1, rows * target.shape[1]))
+        for start in range(0, spans.size, chunk):
+            part = spans[start:start + chunk]
+            bands = np.full((part.size, rows), INF)
+            for j, n in enumerate(part):
+                band = self.bands[n - 1][s, m, k_lo:k_lo + rows]
+                bands[j, :band.size] = band
+            bands[bands > t_max] = INF
+            firsts = np.arange(k_lo, k_lo + rows)
+            sums = bands[:, :, None] + previous[firsts[None, :] + part[:, None]]
+            np.minimum(target, sums.min(axis=0), out=target)
 
     def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float) -> list[StageSlot]:
         stages, k, d = [], 0, self.num_devices

@@ -67,6 +67,7 @@ class StrategyGraph:
     aliases: tuple[tuple[int, int, np.ndarray], ...] = ()
     forbidden: dict[int, set[int]] = field(default_factory=dict)
     _reshard_cache: dict = field(default_factory=dict)
+    _cost_cache: dict = field(default_factory=dict)
 
     def size(self, group: int) -> int:
         return len(self.nodes[group].strategies)
@@ -104,8 +105,14 @@ class StrategyGraph:
         return self.model.accumulation_weight if self.graph[node_id].attr("per_iteration") else 1.0
 
     def reshard_cost(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> float:
-        collectives = self.reshard(producer, src, dst)
-        return sum(c.cost for c in collectives) if collectives else 0.0
+        # Memoized per producer and spec pair: building the graph asks for the same pair
+        # hundreds of thousands of times, and a spec is its dims alone.
+        key = (producer, src.dims, dst.dims)
+        cost = self._cost_cache.get(key)
+        if cost is None:
+            collectives = self.reshard(producer, src, dst)
+            cost = self._cost_cache[key] = sum(c.cost for c in collectives) if collectives else 0.0
+        return cost
 
     # -- evaluation --------------------------------------------------------------------------
 
@@ -202,16 +209,23 @@ def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:
 def _reshard_matrix(sg: StrategyGraph, operand: int, produced: list[ShardingSpec],
                     required: list[ShardingSpec]) -> np.ndarray:
     """[produced i, required j] resharding costs, pricing each distinct spec pair once."""
-    src, src_index = np.unique(_spec_ids(produced), return_inverse=True)
-    dst, dst_index = np.unique(_spec_ids(required), return_inverse=True)
-    src_specs = {k: spec for k, spec in zip(_spec_ids(produced), produced, strict=True)}
-    dst_specs = {k: spec for k, spec in zip(_spec_ids(required), required, strict=True)}
-    small = np.array([[sg.reshard_cost(operand, src_specs[a], dst_specs[b]) for b in dst] for a in src])
-    return small[np.ix_(src_index.ravel(), dst_index.ravel())]
+    src, src_index = _distinct(produced)
+    dst, dst_index = _distinct(required)
+    small = np.array([[sg.reshard_cost(operand, a, b) for b in dst] for a in src])
+    return small[np.ix_(src_index, dst_index)]
 
 
-def _spec_ids(specs: list[ShardingSpec]) -> list[str]:
-    return [repr(spec.dims) for spec in specs]
+def _distinct(specs: list[ShardingSpec]) -> tuple[list[ShardingSpec], list[int]]:
+    """The distinct specs (by dims, in first-seen order) and each spec's index among them."""
+    position: dict[tuple, int] = {}
+    distinct: list[ShardingSpec] = []
+    index = []
+    for spec in specs:
+        i = position.setdefault(spec.dims, len(distinct))
+        if i == len(distinct):
+            distinct.append(spec)
+        index.append(i)
+    return distinct, index
 
 
 def _add_aliases(sg: StrategyGraph) -> None:
