@@ -73,11 +73,12 @@ def free_aliased_results(graph: Graph) -> Graph:
     return dataclasses.replace(graph, nodes=nodes)
 
 
-def pin_method_layout(sg: StrategyGraph, layout: MethodLayout) -> tuple[str, ...]:
+def pin_method_layout(sg: StrategyGraph, layout: MethodLayout, forbid_gathers: bool = True) -> tuple[str, ...]:
     """Forbid the choices of `sg` that break `layout`; return the nodes whose pin was dropped.
 
     Needs the batch inputs tagged (`batch_dim` attributes); without any, only the weights'
-    and the optimizer state's pins apply.
+    and the optimizer state's pins apply. `forbid_gathers=False` lets TENSOR_PARALLEL convert
+    a weight whose uses no single layout serves (a tied embedding: a lookup and a matmul).
     """
     if layout is MethodLayout.AUTO:
         return ()
@@ -87,7 +88,7 @@ def pin_method_layout(sg: StrategyGraph, layout: MethodLayout) -> tuple[str, ...
         for node in sg.graph.nodes:
             if node.operands and not _forbid(sg, node.id, _gathering_operands(sg, node.id, exact)):
                 dropped.append(f"{node.label} (operands)")
-    if layout is MethodLayout.TENSOR_PARALLEL:
+    if layout is MethodLayout.TENSOR_PARALLEL and forbid_gathers:
         weights = [n for n, allowed in pins.items() if sg.graph[n].kind is OpKind.PARAMETER and n not in exact]
         _forbid_gathers(sg, weights)
     return tuple(dropped)

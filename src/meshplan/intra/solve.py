@@ -34,7 +34,8 @@ def build_intra_problem(graph: Graph, mesh: LogicalMesh, options: IntraOptions |
     return sg, lp, vm, unsupported
 
 
-def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> tuple[StrategyGraph, tuple[str, ...]]:
+def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions,
+                     forbid_gathers: bool = True) -> tuple[StrategyGraph, tuple[str, ...]]:
     """Enumerate strategies and merge followers into a StrategyGraph; name unsupported ops."""
     check_graph(graph)
     check_mesh_fits(graph, mesh)
@@ -47,7 +48,7 @@ def build_strategies(graph: Graph, mesh: LogicalMesh, options: IntraOptions) -> 
     for w in caught:
         warnings.warn(w.message, w.category, stacklevel=3)
     sg = build_strategy_graph(graph, mesh, options.cost, nodes)
-    dropped = pin_method_layout(sg, options.layout)
+    dropped = pin_method_layout(sg, options.layout, forbid_gathers)
     if dropped:
         warnings.warn(f"{graph.name!r}: the {options.layout.value} layout cannot be kept at {len(dropped)} node(s), "
                       f"planned by cost there: {', '.join(dropped[:8])}{' ...' if len(dropped) > 8 else ''}",
@@ -94,6 +95,16 @@ def solve_intra(graph: Graph, mesh: LogicalMesh, options: IntraOptions | None = 
     options = options or IntraOptions()
     start = time.perf_counter()
     sg, unsupported = build_strategies(graph, mesh, options)
+    try:
+        return _solve_strategy_graph(sg, graph, mesh, options, start, unsupported)
+    except InfeasiblePlanError:
+        if options.layout is not MethodLayout.TENSOR_PARALLEL:
+            raise
+    # Some weight's uses ask for layouts no single one serves without a collective (a tied
+    # embedding is looked up by rows and multiplied by columns): plan again letting weights move.
+    warnings.warn(f"{graph.name!r}: the {options.layout.value} layout converts some weights with collectives: "
+                  "no layout of theirs serves every use (e.g. a tied embedding)", LayoutWarning, stacklevel=2)
+    sg, unsupported = build_strategies(graph, mesh, options, forbid_gathers=False)
     return _solve_strategy_graph(sg, graph, mesh, options, start, unsupported)
 
 
