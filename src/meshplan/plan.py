@@ -105,9 +105,14 @@ class Prediction:
     cost_model: str = ""
 
 
+# A baseline's configuration when its recipe does not apply to the model (`reason` says why).
+NOT_APPLICABLE = "not applicable"
+
+
 @dataclass(frozen=True, slots=True)
 class BaselineSummary:
-    """A reference layout priced by the same cost model: its prediction, or why it does not fit."""
+    """A reference layout priced by the same cost model: its prediction, or why it does not fit
+    (or, with config NOT_APPLICABLE, why it does not apply)."""
 
     name: str
     config: str
@@ -168,6 +173,11 @@ class Plan:
 
     def option(self, name: str, default: str = "") -> str:
         return dict(self.options).get(name, default)
+
+    @property
+    def sample_unit(self) -> str:
+        """What the global batch and `tokens_per_s` count: "tokens", or "images" for image models."""
+        return self.option("unit", "tokens")
 
     def metrics_under(self, prefix: str) -> dict[str, float]:
         """The metrics named `prefix` + something, by that something (e.g. "planner_s.")."""

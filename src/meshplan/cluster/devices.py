@@ -42,6 +42,9 @@ class DeviceSpec:
         fp8_flops: dense fp8 tensor-core FLOP/s (0: the device has no fp8 tensor cores).
         flash_attention: fused attention kernels exist for the device (FlashAttention-2 needs
             Ampere or newer; AMD's CK kernels on MI300X), so attention keeps no seq x seq values.
+        fp32_flops: dense fp32 FLOP/s where fp32 work cannot use the tensor cores (V100: no
+            TF32); 0: fp32 work is priced at `peak_flops` (TF32 tensor cores on Ampere and newer,
+            which XLA uses for fp32 contractions by default).
     """
 
     name: str
@@ -55,14 +58,22 @@ class DeviceSpec:
     memory_bandwidth: float = 0.0
     fp8_flops: float = 0.0
     flash_attention: bool = False
+    fp32_flops: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "intra_bandwidth", "inter_bandwidth"):
             _check_number(self.name, field, getattr(self, field), allow_zero=False)
         if self.memory_bytes != math.inf:  # inf: unlimited (devices whose memory is not modelled)
             _check_number(self.name, "memory_bytes", self.memory_bytes, allow_zero=False)
-        for field in ("intra_latency", "inter_latency", "memory_bandwidth", "fp8_flops"):
+        for field in ("intra_latency", "inter_latency", "memory_bandwidth", "fp8_flops", "fp32_flops"):
             _check_number(self.name, field, getattr(self, field), allow_zero=True)
+
+    def for_itemsize(self, itemsize: int) -> DeviceSpec:
+        """The device as work of `itemsize`-byte floats sees it: fp32 work (4 bytes) at
+        `fp32_flops` where the device has no fp32 tensor cores; otherwise unchanged."""
+        if itemsize >= 4 and self.fp32_flops:
+            return dataclasses.replace(self, peak_flops=self.fp32_flops)
+        return self
 
     @property
     def intra_beta(self) -> float:
@@ -83,7 +94,9 @@ def _check_number(device: str, field: str, value: float, allow_zero: bool) -> No
 
 
 # Sources (dense, no sparsity; NVLink figures are the datasheets' bidirectional totals halved):
-# - V100: NVIDIA Tesla V100 datasheet (SXM2: 125 TFLOPS tensor, NVLink 300 GB/s total).
+# - V100: NVIDIA Tesla V100 datasheet (SXM2: 125 TFLOPS tensor, 15.7 TFLOPS single precision,
+#   900 GB/s HBM2, NVLink 300 GB/s total). It has no TF32: fp32 training (Alpa's Wide-ResNet
+#   runs) multiplies on the CUDA cores at 15.7 TFLOP/s.
 #   Inter-node: AWS p3dn.24xlarge (8x V100-32GB) has one 100 Gb/s ENA/EFA link per node;
 #   we store its 1/8 share per GPU (12.5 Gb/s). Nodes with fewer GPUs per NIC are faster:
 #   override inter_bandwidth.
@@ -113,7 +126,7 @@ _INTER_LATENCY = 1e-5
 
 
 def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_gbit_s: float, desc: str,
-          hbm_gb_s: float, fp8_tflops: float = 0.0, flash: bool = True) -> DeviceSpec:
+          hbm_gb_s: float, fp8_tflops: float = 0.0, flash: bool = True, fp32_tflops: float = 0.0) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         peak_flops=tflops * 1e12,
@@ -126,14 +139,15 @@ def _spec(name: str, tflops: float, memory_gib: int, nvlink_gb_s: float, inter_g
         memory_bandwidth=hbm_gb_s * GB_PER_S,
         fp8_flops=fp8_tflops * 1e12,
         flash_attention=flash,
+        fp32_flops=fp32_tflops * 1e12,
     )
 
 
 _TABLE = (
     _spec("v100-16gb", 125, 16, 150, 100 / 8, "V100 SXM2 16GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)",
-          900, flash=False),
+          900, flash=False, fp32_tflops=15.7),
     _spec("v100-32gb", 125, 32, 150, 100 / 8, "V100 SXM2 32GB, NVLink2, 100 Gb/s per 8-GPU node (AWS p3dn)",
-          900, flash=False),
+          900, flash=False, fp32_tflops=15.7),
     _spec("a100-40gb", 312, 40, 300, 200, "A100 SXM 40GB, NVLink3, 200 Gb/s HDR InfiniBand per GPU", 1555),
     _spec("a100-40gb-pcie", 312, 40, 32, 100 / 8, "A100 PCIe 40GB, PCIe Gen4 (no NVLink), 100 Gb/s per 8-GPU node",
           1555),

@@ -1,7 +1,7 @@
-"""Training graphs of transformer pieces: forward, backward (autodiff) and gradient outputs.
+"""Training graphs of model pieces: forward, backward (autodiff) and gradient outputs.
 
-A pipeline stage runs some blocks, plus the embedding on the first stage and the LM head on
-the last. Each piece becomes one micro-batch graph: its input activations are parameters,
+A pipeline stage runs some blocks, plus the first piece (a transformer's embedding, a ResNet's
+stem) on the first stage and the last (the LM head, the classifier) on the last. Each piece becomes one micro-batch graph: its input activations are parameters,
 the cotangent arriving from the next stage is a parameter too (loss = sum(out * cotangent)
 gives exactly the backward pass a pipeline stage runs), and parameter gradients are marked
 `accumulated`: they are summed over micro-batches and synchronised once per iteration.
@@ -16,8 +16,11 @@ from meshplan.errors import ModelSpecError
 from meshplan.ir import DType, Graph, GraphBuilder, OpKind
 from meshplan.ir.autodiff import append_backward
 from meshplan.models.blocks import ACTIVATION_DIMS, block, embedding, lm_head_loss, weight
-from meshplan.models.optimizers import append_adam, append_sgd
+from meshplan.models.optimizers import append_adam, append_momentum, append_sgd
+from meshplan.models.resnet import IMAGE_DIMS, ResNetConfig, bottleneck, classifier_loss, stem
 from meshplan.models.transformer import TransformerConfig
+
+ModelConfig = TransformerConfig | ResNetConfig
 
 _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
 
@@ -38,7 +41,24 @@ def _batch_input(b: GraphBuilder, x: int) -> int:
     return x
 
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "momentum")
+
+
+def training_pieces(model: ModelConfig, micro_batch: int, seq: int, dtype: DType = DType.BF16,
+                    optimizer: str = "adam") -> tuple[dict, PieceGraph, PieceGraph]:
+    """The training graphs a model's layers are priced with: one per kind of block (keyed by
+    `model.layer_kind`), the first piece and the last."""
+    kinds = {}
+    for i in range(model.layers):
+        kinds.setdefault(model.layer_kind(i), i)
+    if isinstance(model, ResNetConfig):
+        blocks = {kind: resnet_block_training_graph(model, i, micro_batch, dtype, optimizer)
+                  for kind, i in kinds.items()}
+        return (blocks, stem_training_graph(model, micro_batch, dtype, optimizer),
+                classifier_training_graph(model, micro_batch, dtype, optimizer))
+    blocks = {kind: block_training_graph(model, i, micro_batch, seq, dtype, optimizer) for kind, i in kinds.items()}
+    return (blocks, embedding_training_graph(model, micro_batch, seq, dtype, optimizer),
+            head_training_graph(model, micro_batch, seq, dtype, optimizer))
 
 
 def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, seq: int,
@@ -73,6 +93,44 @@ def head_training_graph(cfg: TransformerConfig, micro_batch: int, seq: int,
     return _finish(b, loss, [x], weights, optimizer)
 
 
+def resnet_block_training_graph(cfg: ResNetConfig, index: int, micro_batch: int, dtype: DType = DType.F32,
+                                optimizer: str = "momentum") -> PieceGraph:
+    """Forward and backward of bottleneck block `index` for one micro-batch of images."""
+    block = cfg.blocks()[index]
+    b = GraphBuilder(f"{cfg.name}.block{index}")
+    x = _batch_input(b, weight(b, (micro_batch, block.side, block.side, block.in_channels), dtype, "activations",
+                               IMAGE_DIMS))
+    first_weight = len(b)
+    with b.layer(index):
+        out = bottleneck(b, x, block, f"block{index}")
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _with_backward(b, out, [x], weights, optimizer)
+
+
+def stem_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType = DType.F32,
+                        optimizer: str = "momentum") -> PieceGraph:
+    b = GraphBuilder(f"{cfg.name}.stem")
+    images = _batch_input(b, weight(b, (micro_batch, cfg.image_size, cfg.image_size, 3), dtype, "images",
+                                    IMAGE_DIMS))
+    first_weight = len(b)
+    out = stem(b, images, cfg)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _with_backward(b, out, [], weights, optimizer)
+
+
+def classifier_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType = DType.F32,
+                              optimizer: str = "momentum") -> PieceGraph:
+    last = cfg.blocks()[-1]
+    b = GraphBuilder(f"{cfg.name}.head")
+    x = _batch_input(b, weight(b, (micro_batch, last.out_side, last.out_side, last.out_channels), dtype,
+                               "activations", IMAGE_DIMS))
+    labels = _batch_input(b, weight(b, (micro_batch,), DType.I32, "labels", ("batch",)))
+    first_weight = len(b)
+    loss = classifier_loss(b, x, cfg, labels)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _finish(b, loss, [x], weights, optimizer)
+
+
 def _find(b: GraphBuilder, name: str) -> int:
     return next(i for i in range(len(b)) if b.node(i).name == name)
 
@@ -87,7 +145,7 @@ def _with_backward(b: GraphBuilder, out: int, inputs: list[int], weights: list[i
 
 def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], optimizer: str) -> PieceGraph:
     """Backward pass, then the optimizer step on every weight: mixed-precision Adam (fp32
-    master copy, m, v) or plain SGD."""
+    master copy, m, v), SGD with Nesterov momentum, or plain SGD."""
     if optimizer not in OPTIMIZERS:
         raise ModelSpecError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     grads = append_backward(b, loss, [*inputs, *weights])
@@ -96,8 +154,12 @@ def _finish(b: GraphBuilder, loss: int, inputs: list[int], weights: list[int], o
         b.tag(node_id, backward=True)
     for w in weights:
         _mark_accumulated(b, grads[w])
-    updated = append_adam(b, weights, grads, master_dtype=DType.F32, relayout=True) if optimizer == "adam" \
-        else append_sgd(b, weights, grads)
+    if optimizer == "adam":
+        updated = append_adam(b, weights, grads, master_dtype=DType.F32, relayout=True)
+    elif optimizer == "momentum":
+        updated = append_momentum(b, weights, grads)
+    else:
+        updated = append_sgd(b, weights, grads)
     for node_id in range(backward_end + 1, len(b)):
         b.tag(node_id, per_iteration=True)
     b.outputs(*(grads[x] for x in inputs), *updated.values())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshplan.errors import ModelSpecError
+from meshplan.ir import DType
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,28 @@ class TransformerConfig:
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ModelSpecError(f"model {self.name!r}: top_k {self.top_k} must be between 1 and the "
                                  f"{self.experts} routed experts")
+
+    first_piece = "embedding"
+    last_piece = "head"
+    sample_unit = "tokens"
+    default_dtype = DType.BF16
+    default_optimizer = "adam"
+    closed_form = True  # the closed-form layout pricer (simulator/analytic.py) describes it
+
+    def layer_kind(self, index: int) -> bool:
+        """Blocks of one kind (dense or MoE) share one priced graph."""
+        return self.is_moe_layer(index)
+
+    def kind_name(self, kind: bool) -> str:
+        return "moe-block" if kind else "block"
+
+    def boundary_elements(self, seq_len: int) -> tuple[int, ...]:
+        """Values one sequence sends across each block boundary."""
+        return (seq_len * self.hidden,) * (self.layers - 1)
+
+    def training_flops(self, samples: int, seq_len: int) -> float:
+        """Training FLOPs of `samples` sequences by the usual 6 N T rule (see flop_params)."""
+        return 6.0 * self.flop_params() * samples * seq_len
 
     @property
     def num_kv_heads(self) -> int:

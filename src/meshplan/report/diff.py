@@ -70,7 +70,7 @@ def _prediction(a: Plan, b: Plan) -> list[Difference]:
     out += _number("iteration time (s)", pa.iteration_time_s, pb.iteration_time_s, ".4g")
     out += _number("pipeline time (s)", pa.pipeline_time_s, pb.pipeline_time_s, ".4g")
     out += _number("gradient sync + optimizer (s)", pa.sync_time_s, pb.sync_time_s, ".4g")
-    out += _number("tokens/s", pa.tokens_per_s, pb.tokens_per_s, ",.0f")
+    out += _number(f"{a.sample_unit}/s", pa.tokens_per_s, pb.tokens_per_s, ",.0f")
     out += _number("MFU", pa.mfu, pb.mfu, ".1%")
     gb = lambda v: None if v is None else v / 1e9  # noqa: E731
     out += _number("peak memory (GB/device)", gb(pa.peak_memory_bytes), gb(pb.peak_memory_bytes), ".2f")

@@ -60,7 +60,8 @@ def print_layout(plan: Plan, console: Console | None = None) -> None:
     if p.cost_model:
         console.print(f"priced by       {p.cost_model}", highlight=False)
     console.print(f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)}", highlight=False)
-    console.print(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+    console.print(f"throughput      {p.tokens_per_s:,.0f} {plan.sample_unit}/s, {p.tflops_per_device:.1f} TFLOP/s "
+                  "per device, "
                   f"MFU {p.mfu:.1%}", highlight=False)
     times = table("time per iteration (critical stage)", ["part", "seconds"], numeric=("seconds",))
     for name, seconds in plan.metrics_under("time.").items():

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.intra.plan import ChosenStrategy, IntraPlan
-from meshplan.plan import Plan, Stage
+from meshplan.plan import NOT_APPLICABLE, Plan, Stage
 from meshplan.report.breakdown import collective_rows, stage_plans, time_rows
 from meshplan.report.layouts import ParameterLayout, parameter_layouts, stage_parallelism
 from meshplan.report.tables import bytes_text, gb, ms, seconds_text, shape_text, table
@@ -115,7 +115,8 @@ def print_report(plan: Plan, console: Console | None = None, ops: OpFilter | Non
         console.print(baselines_table(plan))
         for b in plan.baselines:
             if b.prediction is None:
-                console.print(f"{b.name} does not fit: {b.reason}", highlight=False)
+                verdict = "does not apply" if b.config == NOT_APPLICABLE else "does not fit"
+                console.print(f"{b.name} {verdict}: {b.reason}", highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
 
@@ -129,7 +130,8 @@ def header_lines(plan: Plan) -> list[str]:
     if plan.cluster:
         facts.append(f"cluster {plan.cluster[0]}x{plan.cluster[1]} {plan.device}".rstrip())
     if plan.global_batch:
-        facts.append(f"global batch {plan.global_batch}" + (f" x {plan.seq_len} tokens" if plan.seq_len else ""))
+        facts.append(f"global batch {plan.global_batch}" + (f" x {plan.seq_len} tokens" if plan.seq_len else
+                                                            f" {plan.sample_unit}" if plan.sample_unit != "tokens" else ""))
     facts.append(f"schedule {plan.schedule}, {plan.num_microbatches} micro-batch(es)"
                  + (f" of {plan.microbatch_size}" if plan.microbatch_size else ""))
     lines.append(", ".join(facts))
@@ -174,7 +176,7 @@ def prediction_lines(plan: Plan) -> list[str]:
     lines = [f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)} (pipeline {p.pipeline_time_s:.4g} s "
              f"+ gradient sync and optimizer {p.sync_time_s:.4g} s)"]
     if p.tokens_per_s is not None:
-        lines.append(f"throughput      {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per "
+        lines.append(f"throughput      {p.tokens_per_s:,.0f} {plan.sample_unit}/s, {p.tflops_per_device:.1f} TFLOP/s per "
                      f"device, MFU {p.mfu:.1%}")
     if p.peak_memory_bytes is not None:
         lines.append(f"peak memory     {gb(p.peak_memory_bytes)} GB per device")
@@ -274,9 +276,10 @@ def operators_table(plan: Plan, ops: OpFilter) -> Table:
 
 def baselines_table(plan: Plan) -> Table:
     model = plan.prediction.cost_model or "the same cost model"
+    rate = f"{plan.sample_unit}/s"
     t = table(f"baselines priced by the auto plan's cost model ({model})",
-              ["plan", "configuration", "s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"],
-              numeric=("s per\niteration", "tokens/s", "MFU", "auto is\nfaster by"))
+              ["plan", "configuration", "s per\niteration", rate, "MFU", "auto is\nfaster by"],
+              numeric=("s per\niteration", rate, "MFU", "auto is\nfaster by"))
     auto = plan.prediction
     t.add_row("auto", f"{plan.num_stages} stages, micro-batch {plan.microbatch_size}",
               f"{auto.iteration_time_s:.3f}", f"{auto.tokens_per_s:,.0f}", f"{auto.mfu:.1%}", "1.00x")
@@ -284,7 +287,7 @@ def baselines_table(plan: Plan) -> Table:
         p = b.prediction
         config = b.config.replace(",", ", ")  # a layout wraps between its keys (parse_layout takes either)
         if p is None:
-            t.add_row(b.name, config, "no fit", "-", "-", "-")
+            t.add_row(b.name, config, "-" if b.config == NOT_APPLICABLE else "no fit", "-", "-", "-")
         else:
             t.add_row(b.name, config, f"{p.iteration_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
                       f"{auto.tokens_per_s / p.tokens_per_s:.2f}x")

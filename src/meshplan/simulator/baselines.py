@@ -1,4 +1,6 @@
-"""Baselines priced by the same cost model: data parallel, ZeRO-2, Megatron-style (tp, pp, dp).
+"""Baselines priced by the same cost model: data parallel, ZeRO-2, Megatron-style (tp, pp, dp),
+and its pipeline and data-parallel part alone (PP-DP: tp = 1) for models without a Megatron
+recipe (convolutional networks).
 
 Each baseline is a fixed family of plans evaluated with the same per-layer ILP prices and
 stage estimates as the auto plan, so the comparison isolates the search, not the model.
@@ -68,12 +70,15 @@ def _task(job: TrainingJob, cluster: Cluster, key: ViewKey, options: PlannerOpti
 
 
 def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...], options: PlannerOptions,
-                      priced: Priced, progress=None, runner: TaskRunner | None = None) -> Baseline:
+                      priced: Priced, progress=None, runner: TaskRunner | None = None,
+                      tensor_parallel: bool = True) -> Baseline:
     """The best feasible (tp, pp, dp) grid point: equal layer counts per stage, data parallel over
-    axis 0 and the intra-op ILP free on the tensor-parallel axis."""
+    axis 0 and the intra-op ILP free on the tensor-parallel axis; without `tensor_parallel`, the
+    grid points of tp = 1 ("pp-dp")."""
+    name = "megatron" if tensor_parallel else "pp-dp"
     tasks, points = {}, []
     for tp, pp, dp in megatron_grid(cluster):
-        if pp > job.model.layers:
+        if pp > job.model.layers or (tp > 1 and not tensor_parallel):
             continue
         shape = _stage_shape(cluster, cluster.num_devices // pp)
         index = _view_index(cluster, shape, (dp, tp))
@@ -86,7 +91,7 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
             points.append((tp, pp, dp, b, key))
             if key not in priced:
                 tasks[key] = _task(job, cluster, key, options)
-    priced.update(price_tasks(list(tasks.values()), runner, progress, "pricing Megatron grid"))
+    priced.update(price_tasks(list(tasks.values()), runner, progress, f"pricing {name} grid"))
     best, best_config = None, ""
     for tp, pp, dp, b, key in points:
         costs = priced[key].costs
@@ -94,8 +99,8 @@ def evaluate_megatron(job: TrainingJob, cluster: Cluster, sizes: tuple[int, ...]
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best, best_config = plan, f"tp={tp} pp={pp} dp={dp} micro-batch={b}"
     if best is None:
-        return Baseline("megatron", None, "no (tp, pp, dp) grid point fits in memory")
-    return Baseline("megatron", replace(best, label="megatron"), config=best_config)
+        return Baseline(name, None, f"no {'(tp, pp, dp)' if tensor_parallel else '(pp, dp)'} grid point fits in memory")
+    return Baseline(name, replace(best, label=name), config=best_config)
 
 
 def uniform_pipeline(job: TrainingJob, cluster: Cluster, view: ViewCosts, pp: int, b: int,
@@ -164,8 +169,8 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
     last = job.model.layers - 1
     iteration = _iteration(cluster, options)
     plain = estimate_stage(view, 0, last, 1, num_microbatches, usable, 0.0, _ONE_F_ONE_B, iteration=iteration)
-    # ZeRO-2 keeps the weights and shards the gradients and Adam state over every device.
-    weight, held = job.dtype.itemsize, job.dtype.itemsize + _gradient_bytes(job, options) + ADAM_STATE_BYTES
+    # ZeRO-2 keeps the weights and shards the gradients and optimizer state over every device.
+    weight, held = job.dtype.itemsize, job.dtype.itemsize + _gradient_bytes(job, options) + _state_bytes(job)
     saved = _static(view) * (1 - (weight + (held - weight) / devices) / held)
     zero = estimate_stage(view, 0, last, 1, num_microbatches, usable + saved, 0.0, _ONE_F_ONE_B, iteration=iteration)
     need = leanest_memory(view, 0, last, 1, num_microbatches, _ONE_F_ONE_B)
@@ -182,6 +187,14 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
 
 def _iteration(cluster: Cluster, options: PlannerOptions) -> IterationComm:
     return iteration_comm(cluster, inter_options(cluster, options))
+
+
+def _state_bytes(job: TrainingJob) -> int:
+    """Optimizer state per parameter: Adam's (fp32 master copy with low-precision weights, m, v),
+    the momentum trace, or none for plain SGD."""
+    if job.optimizer == "adam":
+        return ADAM_STATE_BYTES if job.dtype.itemsize < 4 else 2 * job.dtype.itemsize
+    return job.dtype.itemsize if job.optimizer == "momentum" else 0
 
 
 def _gradient_bytes(job: TrainingJob, options: PlannerOptions) -> int:

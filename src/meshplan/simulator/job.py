@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from meshplan.cluster.cluster import Cluster
 from meshplan.cost.kernels import DEFAULT_EFFICIENCY, KernelEfficiency
 from meshplan.errors import ModelSpecError, OptionsError
 from meshplan.ir import DType
-from meshplan.models.training import OPTIMIZERS
-from meshplan.models.transformer import TransformerConfig
+from meshplan.models.training import OPTIMIZERS, ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
 class TrainingJob:
-    """What to train: the model, the global batch (sequences per iteration), the sequence length."""
+    """What to train: the model, the global batch (sequences or images per iteration), the
+    sequence length (1 for image models: a sample is one image of the model's size)."""
 
-    model: TransformerConfig
+    model: ModelConfig
     global_batch: int
     seq_len: int
     dtype: DType = DType.BF16
@@ -27,17 +28,29 @@ class TrainingJob:
                                  "must be at least 1")
         if self.optimizer not in OPTIMIZERS:
             raise ModelSpecError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.model.sample_unit == "images" and self.seq_len != 1:
+            raise ModelSpecError(f"{self.model.name} takes {self.model.image_size}x{self.model.image_size} images, "
+                                 f"not sequences: its sequence length must be 1, got {self.seq_len}")
+
+    def on(self, cluster: Cluster) -> Cluster:
+        """`cluster` as this job's arithmetic sees it: fp32 jobs on devices without fp32 tensor
+        cores (V100) run at the device's fp32 peak (DeviceSpec.for_itemsize)."""
+        device = cluster.device.for_itemsize(self.dtype.itemsize)
+        return cluster if device is cluster.device else replace(cluster, device=device)
 
     @property
     def tokens(self) -> int:
+        """Samples per iteration: tokens, or images for an image model."""
         return self.global_batch * self.seq_len
 
     @property
     def model_flops(self) -> float:
-        """Training FLOPs per iteration by the usual 6 N T rule (T tokens; N the parameters a token
-        multiplies by: for MoE the top-k routed and the shared experts, not every expert; not
-        the embedding lookups, which multiply nothing). MFU counts these FLOPs."""
-        return 6.0 * self.model.flop_params() * self.tokens
+        """Training FLOPs per iteration, the model's own count (`training_flops`): transformers by
+        the usual 6 N T rule (T tokens; N the parameters a token multiplies by: for MoE the top-k
+        routed and the shared experts, not every expert; not the embedding lookups, which
+        multiply nothing); ResNets three times their forward convolutions and classifier. MFU
+        counts these FLOPs."""
+        return self.model.training_flops(self.global_batch, self.seq_len)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """The simulator's pricer: model pieces + the intra-op ILP -> LayerCosts for the inter-op pass.
 
-A transformer's training graph is cut into pieces (each block; the embedding, stacked onto the
-first layer; the LM head, stacked onto the last). Every piece is planned by the intra-op ILP on
+A model's training graph is cut into pieces (each block; the first piece (a transformer's
+embedding, a ResNet's stem), stacked onto the first layer; the last (the LM head, the
+classifier), stacked onto the last). Every piece is planned by the intra-op ILP on
 each logical view of each candidate sub-mesh, once per memory price (a menu: the fastest plan,
 then plans that hold less memory for more time), and its costs are read off the plan
-(meshplan.inter.costs.layer_cost). Identical blocks are planned once. The work is a list of
+(meshplan.inter.costs.layer_cost). Blocks of one kind (`layer_kind`: dense or MoE; a ResNet's block shape) are planned once. The work is a list of
 independent `PricingTask`s, run through a `meshplan.distributed.TaskRunner` (`price_tasks`): in this
 process, a process pool or Ray, with retries and an optional resume cache.
 """
@@ -28,13 +29,7 @@ from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra, solve_intra_prices
 from meshplan.ir import DType, OpKind
-from meshplan.models.training import (
-    PieceGraph,
-    block_training_graph,
-    embedding_training_graph,
-    head_training_graph,
-)
-from meshplan.models.transformer import TransformerConfig
+from meshplan.models.training import ModelConfig, PieceGraph, training_pieces
 from meshplan.simulator.job import PlannerOptions, TrainingJob
 
 # Memory prices tried per mesh, in units of the slowest axis' seconds per byte (holding a byte
@@ -46,7 +41,7 @@ LEAN_PRICES = MEMORY_PRICES[:2]  # the menu the simulator's views are priced wit
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
 ACTIVATION_PRICE = 1e-14
 _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
-_PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "labels")
+_PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "images", "labels")
 
 Progress = Callable[[str, int, int], None]
 # Part of every task's cache key: raise it when pricing changes what a task returns.
@@ -197,8 +192,8 @@ def price_task(task: PricingTask) -> PricingResult:
 
 
 def price_view(task: PricingTask) -> ViewCosts:
-    """Profile the block(s), embedding and head of the job on one view; the embedding is stacked
-    onto the first layer and the head onto the last."""
+    """Profile the block(s), first and last pieces of the job on one view; the first piece is
+    stacked onto the first layer and the last onto the last."""
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
     mesh = planner_views(cluster, key.submesh)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
@@ -214,8 +209,8 @@ def price_view(task: PricingTask) -> ViewCosts:
                               reduce_scatter=options.reduce_scatter, pricing=pricing)[0],)
 
     overhead = layer_overhead(options)
-    menus = {moe: tuple(replace(c, time=c.time + overhead) for c in menu(g)) for moe, g in blocks.items()}
-    layers = [menus[job.model.is_moe_layer(i)] for i in range(job.model.layers)]
+    menus = {kind: tuple(replace(c, time=c.time + overhead) for c in menu(g)) for kind, g in blocks.items()}
+    layers = [menus[job.model.layer_kind(i)] for i in range(job.model.layers)]
     layers[0] = _stacked(menu(embed), layers[0])
     layers[-1] = _stacked(layers[-1], menu(head))
     return ViewCosts(key.submesh, mesh.shape, tuple(layers))
@@ -229,8 +224,8 @@ def _stacked(first: tuple[LayerCost, ...], second: tuple[LayerCost, ...]) -> tup
 
 def handoff_bytes(job: TrainingJob, microbatch_size: int) -> tuple[float, ...]:
     """Activations one micro-batch sends across each block boundary."""
-    per_boundary = microbatch_size * job.seq_len * job.model.hidden * job.dtype.itemsize
-    return (float(per_boundary),) * (job.model.layers - 1)
+    per_sample = job.model.boundary_elements(job.seq_len)
+    return tuple(float(microbatch_size * n * job.dtype.itemsize) for n in per_sample)
 
 
 def layer_overhead(options: PlannerOptions) -> float:
@@ -280,20 +275,14 @@ def planner_views(cluster: Cluster, shape: tuple[int, int]) -> tuple[LogicalMesh
 
 
 @functools.lru_cache(maxsize=64)
-def piece_graphs(model: TransformerConfig, b: int, seq: int, dtype: DType, optimizer: str):
-    kinds = sorted({model.is_moe_layer(i) for i in range(model.layers)})
-    blocks = {moe: block_training_graph(model, _layer_of_kind(model, moe), b, seq, dtype, optimizer) for moe in kinds}
-    return (blocks, embedding_training_graph(model, b, seq, dtype, optimizer),
-            head_training_graph(model, b, seq, dtype, optimizer))
+def piece_graphs(model: ModelConfig, b: int, seq: int, dtype: DType, optimizer: str):
+    """`training_pieces`, cached: (blocks by kind, first piece, last piece)."""
+    return training_pieces(model, b, seq, dtype, optimizer)
 
 
 def build_pieces(job: TrainingJob, microbatch_size: int) -> None:
     """Build (and cache) the job's piece graphs in this process."""
     piece_graphs(job.model, microbatch_size, job.seq_len, job.dtype, job.optimizer)
-
-
-def _layer_of_kind(model: TransformerConfig, moe: bool) -> int:
-    return next(i for i in range(model.layers) if model.is_moe_layer(i) == moe)
 
 
 def task_name(key: ViewKey) -> str:

@@ -17,7 +17,7 @@ from meshplan.cost.kernels import WORKSPACE_BYTES
 from meshplan.distributed import TaskRunner
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.placement import place_submeshes
-from meshplan.plan import BaselineSummary, Plan, Prediction, Stage
+from meshplan.plan import NOT_APPLICABLE, BaselineSummary, Plan, Prediction, Stage
 from meshplan.simulator.analytic import LayoutPrediction, LayoutSearch, search_layouts
 from meshplan.simulator.baselines import Baseline, evaluate_data_parallel, evaluate_megatron
 from meshplan.simulator.graph_pricing import GraphPricer
@@ -29,6 +29,7 @@ from meshplan.simulator.planner import (
     Progress,
     capacity,
     default_runner,
+    no_fit_message_without_layouts,
     plan_training,
     planned_microbatch_sizes,
 )
@@ -73,9 +74,20 @@ def to_plan(pipeline: PipelinePlan, job: TrainingJob, cluster: Cluster, cost_mod
                             tflops * 1e12 / cluster.device.peak_flops, max(s.memory_bytes for s in stages),
                             cost_model)
     return Plan("simulate", job.model.name, stages, inter.schedule, inter.num_microbatches, inter.chunks,
-                pipeline.microbatch_size, job.global_batch, job.seq_len, job.model.num_params(),
+                pipeline.microbatch_size, job.global_batch, plan_seq_len(job), job.model.num_params(),
                 (cluster.nodes, cluster.devices_per_node), cluster.device.name, prediction, pipeline.label,
-                options=(("dtype", job.dtype.short_name), ("optimizer", job.optimizer)))
+                options=(("dtype", job.dtype.short_name), ("optimizer", job.optimizer), *unit_option(job)))
+
+
+def plan_seq_len(job: TrainingJob) -> int:
+    """The plan's tokens per sequence: 0 for image models (a sample is an image)."""
+    return job.seq_len if job.model.sample_unit == "tokens" else 0
+
+
+def unit_option(job: TrainingJob) -> tuple[tuple[str, str], ...]:
+    """The plan option naming what its throughput counts, when not tokens (reports read it)."""
+    unit = job.model.sample_unit
+    return () if unit == "tokens" else (("unit", unit),)
 
 
 def _placed(pipeline: PipelinePlan, cluster: Cluster) -> tuple[Stage, ...]:
@@ -186,8 +198,8 @@ def _recipe_note(recipe: Plan, dp_plan: Plan, job: TrainingJob, cluster: Cluster
 
 def _fastest_exact_baseline(found: list[Baseline]) -> Baseline | None:
     """The fastest baseline whose plan is one of the stage DP's candidates as priced (the
-    Megatron grid, plain data parallelism; ZeRO-2's memory is the formula's, not a plan's)."""
-    exact = [b for b in found if b.plan is not None and b.name in ("megatron", "data-parallel")]
+    Megatron grid and its PP-DP part, plain data parallelism; ZeRO-2's memory is the formula's, not a plan's)."""
+    exact = [b for b in found if b.plan is not None and b.name in ("megatron", "pp-dp", "data-parallel")]
     return min(exact, key=lambda b: b.plan.iteration_time, default=None)
 
 
@@ -199,6 +211,11 @@ def _beside_best_recipe(auto: Plan, name: str, recipe: Plan, job: TrainingJob, c
         recipe = with_stage_plans(recipe, job, cluster, options)
     breakdown = tuple((f"recipe_time.{part}", seconds) for part, seconds in recipe.metrics_under("time.").items())
     return replace(auto, metrics=auto.metrics + breakdown, options=auto.options + (("best_recipe", name),))
+
+
+NO_MEGATRON = ("Megatron-LM's tensor parallelism splits transformer blocks (attention heads, MLP columns) and "
+               "has no convolution layers: no Megatron recipe applies to {model}; pp-dp is its pipeline and "
+               "data-parallel part")
 
 
 def no_fit_message(job: TrainingJob, cluster: Cluster, search: LayoutSearch) -> str:
@@ -222,14 +239,20 @@ def simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions | None 
     fastest Megatron-style layout that fits is the plan, idle devices reported; only when no
     layout fits either is the error raised, naming the memory the leanest one needs. `runner`
     runs the pricing tasks (default: a process pool of `options.workers`); a task that fails
-    every attempt is named in the plan's notes and its view left out."""
+    every attempt is named in the plan's notes and its view left out.
+
+    Models the closed form does not describe (ResNets: `closed_form` False) are planned by the
+    stage DP alone, with the baselines that apply to them (no Megatron tensor parallelism)."""
     options = options or PlannerOptions()
+    cluster = job.on(cluster)
     with default_runner(runner, options) as tasks_runner:
         return _simulate(job, cluster, options, progress, baselines, tasks_runner)
 
 
 def _timed_layout_search(job: TrainingJob, cluster: Cluster, options: PlannerOptions):
     start = time.perf_counter()
+    if not job.model.closed_form:  # Megatron-style layouts of transformer blocks only
+        return LayoutSearch(None, None, 0), 0.0
     return search_layouts(job, cluster, memory_fraction=options.memory_fraction), time.perf_counter() - start
 
 
@@ -247,8 +270,11 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
         except InfeasiblePlanError:
             failed_dp = True
         search, seconds = searching.result()
-    stats.phases["layout search"] = seconds
+    if job.model.closed_form:
+        stats.phases["layout search"] = seconds
     if failed_dp:
+        if not job.model.closed_form:
+            raise InfeasiblePlanError(no_fit_message_without_layouts(job, cluster, options)) from None
         if search.best is None:
             raise InfeasiblePlanError(no_fit_message(job, cluster, search),
                                       search.leanest.memory.total if search.leanest else None) from None
@@ -263,7 +289,12 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
     if baselines:
         start = time.perf_counter()
         sizes = planned_microbatch_sizes(job, cluster, options)
-        found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
+        if job.model.closed_form:
+            found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner))
+        else:
+            found.append(Baseline("megatron", None, NO_MEGATRON.format(model=job.model.name), NOT_APPLICABLE))
+            found.append(evaluate_megatron(job, cluster, sizes, options, priced, progress, runner,
+                                           tensor_parallel=False))
         found.extend(evaluate_data_parallel(job, cluster, options, priced, runner))
         stats.timed("baselines", start)
     model = cost_model_name(options)
@@ -273,8 +304,8 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
     auto = to_plan(best, job, cluster, model)
     taken = _fastest_exact_baseline(found)
     if taken is not None and taken.plan.iteration_time < best.iteration_time:
-        # Megatron grid points and plain data parallelism are plans of the auto search space
-        # too; the stage DP prices sync per stage approximately and can miss them by a little.
+        # Megatron grid points (PP-DP) and plain data parallelism are plans of the auto search
+        # space too; the stage DP prices sync per stage approximately and can miss them by a little.
         auto = replace(to_plan(replace(taken.plan, label="auto"), job, cluster, model),
                        notes=(f"taken from the {taken.name} baseline ({taken.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))

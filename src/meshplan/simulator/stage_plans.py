@@ -1,7 +1,7 @@
 """Each stage's piece plans: the intra-op plans behind a simulated plan's stages, kept for reports.
 
 Pricing runs in worker processes and returns only costs. Once the stages are chosen, every piece
-of every stage (the embedding, each kind of block, the LM head) is planned again here, on the
+of every stage (the first piece, each kind of block, the last piece) is planned again here, on the
 stage's logical view and with its menu entry: the same deterministic ILP the pricer solved, so
 the plans are those the costs were read from. Each distinct (piece, sub-mesh, view, menu entry)
 is solved once. The stage also gets its forward seconds and its compute / communication split,
@@ -117,11 +117,13 @@ def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options
     """The stage with its pieces and times, and its recomputation seconds per micro-batch."""
     mesh = _mesh(cluster, stage)
     menu = 0 if stage.memory_plan == "fastest" else int(stage.memory_plan.removeprefix("lean-"))
-    blocks, embed, head = piece_graphs(job.model, plan.microbatch_size, job.seq_len, job.dtype, job.optimizer)
-    ranges = [("embedding", embed, 0, 0)] if stage.first_layer == 0 else []
+    model = job.model
+    blocks, first_piece, last_piece = piece_graphs(model, plan.microbatch_size, job.seq_len, job.dtype,
+                                                   job.optimizer)
+    ranges = [(model.first_piece, first_piece, 0, 0)] if stage.first_layer == 0 else []
     ranges += block_runs(job, blocks, stage.first_layer, stage.last_layer)
-    if stage.last_layer == job.model.layers - 1:
-        ranges.append(("head", head, stage.last_layer, stage.last_layer))
+    if stage.last_layer == model.layers - 1:
+        ranges.append((model.last_piece, last_piece, stage.last_layer, stage.last_layer))
     pricing = piece_pricing(job, cluster, options)
     planned = []
     for name, graph, first, last in ranges:
@@ -168,17 +170,17 @@ def with_pieces(stage: Stage, planned: list[tuple[PlannedPiece, int, int]], over
                    communication_s=totals[3] + totals[1] + again * (1 - share)), again
 
 
-def block_runs(job: TrainingJob, blocks: dict[bool, PieceGraph], first: int,
-                last: int) -> list[tuple[str, PieceGraph, int, int]]:
-    """Consecutive layers of one block kind (dense or MoE) as one piece each."""
+def block_runs(job: TrainingJob, blocks: dict, first: int, last: int) -> list[tuple[str, PieceGraph, int, int]]:
+    """Consecutive layers of one block kind (`layer_kind`: dense or MoE, a ResNet's block shape)
+    as one piece each, named by `kind_name`."""
     runs: list[tuple[str, PieceGraph, int, int]] = []
     for layer in range(first, last + 1):
-        moe = job.model.is_moe_layer(layer)
-        name = "moe-block" if moe else "block"
+        kind = job.model.layer_kind(layer)
+        name = job.model.kind_name(kind)
         if runs and runs[-1][0] == name and runs[-1][3] == layer - 1:
-            runs[-1] = (name, blocks[moe], runs[-1][2], layer)
+            runs[-1] = (name, blocks[kind], runs[-1][2], layer)
         else:
-            runs.append((name, blocks[moe], layer, layer))
+            runs.append((name, blocks[kind], layer, layer))
     return runs
 
 
