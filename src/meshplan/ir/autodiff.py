@@ -18,6 +18,7 @@ from meshplan.errors import GraphError
 from meshplan.ir.builder import GraphBuilder
 from meshplan.ir.dtypes import DType
 from meshplan.ir.node import Node, OpKind
+from meshplan.ir.windows import ConvDims, kernel_padding, transposed_padding
 
 FLOAT_DTYPES = frozenset({DType.F64, DType.F32, DType.BF16, DType.F16})
 
@@ -407,3 +408,71 @@ def _gather_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
 def _scatter_add_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
     """Read the cotangent where each update was added; dropped (out-of-range) updates get zero."""
     return b.gather(g, node.operands[0], node.attr("axis"), node.attr("batch_dims"), fill_value=0.0)
+
+
+# -- convolutions and windows --------------------------------------------------------------------
+
+
+def _spatial(b: GraphBuilder, x: int, dims: tuple[int, ...]) -> list[int]:
+    return [b.shape(x)[d] for d in dims[2:]]
+
+
+def _swap_roles(spec: tuple[int, ...]) -> tuple[int, ...]:
+    return (spec[1], spec[0], *spec[2:])
+
+
+@register_vjp(OpKind.CONV)
+def _conv_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
+    """The input's cotangent is a convolution of g (dilated by the strides) with the flipped kernel,
+    input and output features swapped; the kernel's is a convolution of the input with g, the
+    batch being contracted (input and output swap the batch and feature roles)."""
+    dims = ConvDims.of(node)
+    lhs, rhs = node.operands
+    strides, padding = node.attr("window_strides"), node.attr("padding")
+    lhs_dil, rhs_dil = node.attr("lhs_dilation"), node.attr("rhs_dilation")
+    sizes, windows, out_sizes = _spatial(b, lhs, dims.lhs), _spatial(b, rhs, dims.rhs), _spatial(b, g, dims.out)
+    groups, batch_groups = node.attr("feature_group_count"), node.attr("batch_group_count")
+    if i == 1:
+        pads = kernel_padding(sizes, windows, strides, out_sizes, padding, lhs_dil, rhs_dil)
+        return b.conv(lhs, g, rhs_dil, pads, lhs_dil, strides,
+                      (_swap_roles(dims.lhs), _swap_roles(dims.out), _swap_roles(dims.rhs)),
+                      feature_group_count=batch_groups, batch_group_count=groups, dtype=b.node(rhs).dtype)
+    if batch_groups > 1:
+        raise GraphError(f"append_backward: the input gradient of conv {node.label} with batch_group_count="
+                         f"{batch_groups} (a kernel gradient differentiated again) has no IR form")
+    kernel, kernel_spec = b.reverse(rhs, dims.rhs[2:]), _swap_roles(dims.rhs)
+    if groups > 1:  # per group: the group's output features become its input features
+        kernel, kernel_spec = _regroup_kernel(b, kernel, dims.rhs, groups), _swap_roles(tuple(range(len(dims.rhs))))
+    pads = transposed_padding(sizes, windows, strides, out_sizes, padding, lhs_dil, rhs_dil)
+    return b.conv(g, kernel, lhs_dil, pads, strides, rhs_dil, (dims.out, kernel_spec, dims.lhs),
+                  feature_group_count=groups, dtype=b.node(lhs).dtype)
+
+
+def _regroup_kernel(b: GraphBuilder, kernel: int, spec: tuple[int, ...], groups: int) -> int:
+    """A grouped kernel [O = groups·Og, I, taps...] (in role order) as [Og, groups·I, taps...]."""
+    canonical = b.transpose(kernel, spec)
+    o, i, *taps = b.shape(canonical)
+    split = b.reshape(canonical, (groups, o // groups, i, *taps))
+    moved = b.transpose(split, (1, 0, *range(2, len(taps) + 3)))
+    return b.reshape(moved, (o // groups, groups * i, *taps))
+
+
+@register_vjp(OpKind.REDUCE_WINDOW)
+def _reduce_window_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
+    """A window sum's cotangent: every input entry sums g over the windows holding it (a window sum
+    of g dilated by the strides); a window max's (min's) goes to each window's first extreme entry."""
+    x = node.operands[0]
+    window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
+    base, wdil = node.attr("base_dilation"), node.attr("window_dilation")
+    if node.op == "sum":
+        pads = transposed_padding(b.shape(x), window, strides, node.shape, padding, base, wdil)
+        return b.reduce_window(g, "sum", window, base, pads, strides, wdil)
+    if any(d > 1 for d in base + wdil) or any(lo < 0 or hi < 0 for lo, hi in padding):
+        raise GraphError(f"append_backward: window {node.op} {node.label} with dilations or negative padding "
+                         "has no IR gradient; pool without them")
+    return b.select_and_scatter_add(g, x, window, strides, padding, "ge" if node.op == "max" else "le")
+
+
+@register_vjp(OpKind.REVERSE)
+def _reverse_vjp(b: GraphBuilder, node: Node, g: int, i: int) -> int:
+    return b.reverse(g, node.attr("dims"))

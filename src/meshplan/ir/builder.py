@@ -12,6 +12,7 @@ from meshplan.errors import GraphError
 from meshplan.ir.dtypes import DType, as_dtype
 from meshplan.ir.graph import Graph, check_graph
 from meshplan.ir.node import Node, OpKind, freeze_attrs
+from meshplan.ir.windows import conv_dims, dilated, positive, window_output_size, window_padding
 
 UNARY_OPS = frozenset({
     "neg", "exp", "log", "rsqrt", "sqrt", "tanh", "logistic", "abs", "sign", "erf", "sin",
@@ -23,6 +24,7 @@ BINARY_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "and", 
 CUMULATIVE_OPS = frozenset({"sum", "prod", "max", "min", "logsumexp"})
 COMPARE_DIRECTIONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 REDUCE_KINDS = frozenset({"sum", "max", "min", "prod"})
+WINDOW_REDUCE_KINDS = frozenset({"sum", "max", "min"})
 _INTEGER_DTYPES = frozenset({DType.I64, DType.I32, DType.I8, DType.U8})
 
 
@@ -130,6 +132,155 @@ class GraphBuilder:
     def matmul(self, lhs: int, rhs: int, name: str = "") -> int:
         """lhs[..., k] @ rhs[k, n]: contract the last lhs dim with the first rhs dim."""
         return self.dot(lhs, rhs, (self._node(lhs).rank - 1,), (0,), name=name)
+
+    def conv(self, lhs: int, rhs: int, window_strides: Sequence[int] | None = None,
+             padding: str | Sequence[Sequence[int]] | None = None, lhs_dilation: Sequence[int] | None = None,
+             rhs_dilation: Sequence[int] | None = None, dimension_numbers: Sequence | None = None,
+             feature_group_count: int = 1, batch_group_count: int = 1, name: str = "",
+             dtype: DType | str | None = None) -> int:
+        """A convolution with XLA's semantics (`jax.lax.conv_general_dilated`), any spatial rank.
+
+        Args:
+            lhs: the input, e.g. images [batch, height, width, channels].
+            rhs: the kernel, e.g. [height, width, in channels, out channels].
+            window_strides: per spatial dim (default 1).
+            padding: (lo, hi) per spatial dim (negative crops), or "SAME" / "VALID" (default: none).
+            lhs_dilation: holes between input entries (a transposed convolution); default 1.
+            rhs_dilation: holes between kernel taps (an atrous convolution); default 1.
+            dimension_numbers: which dim is which: None (NCHW, OIHW, NCHW), strings such as
+                ("NHWC", "HWIO", "NHWC") (Flax's layout), or three index tuples in role order:
+                lhs (batch, feature, spatial...), rhs (out feature, in feature, spatial...),
+                out (batch, feature, spatial...), as JAX's ConvDimensionNumbers.
+            feature_group_count: input features split into groups, each convolved with its share
+                of the output features (depthwise when it equals the input features).
+            batch_group_count: the batch split into groups, each with its share of the output
+                features (how a grouped convolution's kernel gradient is formed).
+            dtype: the result type (default: the input's).
+
+        The node's attrs hold the normalized form: lhs_spec, rhs_spec, out_spec (dim indices in
+        role order), window_strides, padding, lhs_dilation, rhs_dilation, feature_group_count,
+        batch_group_count; `meshplan.ir.windows.ConvDims.of(node)` reads the dims back.
+        """
+        a, k = self._node(lhs), self._node(rhs)
+        where = f"conv {name!r}" if name else "conv"
+        if a.rank != k.rank or a.rank < 2:
+            raise GraphError(f"{where}: input {a.label} {a.shape} and kernel {k.label} {k.shape} need the same "
+                             "rank, at least 2 (batch and feature dims)")
+        dims = conv_dims(dimension_numbers, a.rank)
+        n = dims.spatial_rank
+        strides = positive(window_strides, n, f"{where}: window_strides")
+        lhs_dil = positive(lhs_dilation, n, f"{where}: lhs_dilation")
+        rhs_dil = positive(rhs_dilation, n, f"{where}: rhs_dilation")
+        sizes = [a.shape[d] for d in dims.lhs[2:]]
+        windows = [k.shape[d] for d in dims.rhs[2:]]
+        pads = window_padding(padding, [dilated(s, d) for s, d in zip(sizes, lhs_dil, strict=True)],
+                              [dilated(w, r) for w, r in zip(windows, rhs_dil, strict=True)], strides)
+        self._check_groups(where, a.shape[dims.lhs[0]], a.shape[dims.lhs[1]], k.shape[dims.rhs[0]],
+                           k.shape[dims.rhs[1]], feature_group_count, batch_group_count)
+        shape = [0] * a.rank
+        shape[dims.out[0]] = a.shape[dims.lhs[0]] // batch_group_count
+        shape[dims.out[1]] = k.shape[dims.rhs[0]]
+        for i in range(n):
+            shape[dims.out[2 + i]] = window_output_size(sizes[i], windows[i], strides[i], pads[i], lhs_dil[i],
+                                                        rhs_dil[i])
+        attrs = {"lhs_spec": dims.lhs, "rhs_spec": dims.rhs, "out_spec": dims.out, "window_strides": strides,
+                 "padding": pads, "lhs_dilation": lhs_dil, "rhs_dilation": rhs_dil,
+                 "feature_group_count": int(feature_group_count), "batch_group_count": int(batch_group_count)}
+        return self._add(OpKind.CONV, (lhs, rhs), shape, dtype or a.dtype, attrs, name)
+
+    @staticmethod
+    def _check_groups(where: str, batch: int, features: int, out_features: int, in_features: int,
+                      feature_groups: int, batch_groups: int) -> None:
+        if feature_groups < 1 or batch_groups < 1 or (feature_groups > 1 and batch_groups > 1):
+            raise GraphError(f"{where}: feature_group_count={feature_groups} and batch_group_count={batch_groups} "
+                             "must be positive, and at most one of them above 1")
+        if features != in_features * feature_groups or out_features % feature_groups:
+            raise GraphError(f"{where}: the input has {features} features but the kernel takes {in_features} in "
+                             f"{feature_groups} group(s) and makes {out_features}; input features must equal kernel "
+                             "input features x feature_group_count, which must divide the output features")
+        if batch % batch_groups or out_features % batch_groups:
+            raise GraphError(f"{where}: batch_group_count={batch_groups} must divide the batch ({batch}) and the "
+                             f"output features ({out_features})")
+
+    # -- windows -----------------------------------------------------------------------------
+
+    def reduce_window(self, x: int, op: str, window_dimensions: Sequence[int],
+                      window_strides: Sequence[int] | None = None,
+                      padding: str | Sequence[Sequence[int]] | None = None, base_dilation: Sequence[int] | None = None,
+                      window_dilation: Sequence[int] | None = None, name: str = "") -> int:
+        """`op` ("sum", "max", "min") over windows sliding along every dim (XLA's ReduceWindow).
+
+        One window size, stride, (lo, hi) padding, base and window dilation per dim of `x`
+        (defaults 1 and no padding; "SAME"/"VALID" padding as in `conv`); padding and the holes
+        of a base dilation hold the op's identity (0, -inf, +inf). A dim with window 1 and
+        stride 1 is left as it is (the batch and channel dims of a pooling).
+        """
+        node = self._node(x)
+        where = f"reduce_window {name!r}" if name else "reduce_window"
+        if op not in WINDOW_REDUCE_KINDS:
+            raise GraphError(f"{where}: unknown op {op!r}; use one of {sorted(WINDOW_REDUCE_KINDS)}")
+        window = positive(window_dimensions, node.rank, f"{where}: window_dimensions")
+        strides = positive(window_strides, node.rank, f"{where}: window_strides")
+        base = positive(base_dilation, node.rank, f"{where}: base_dilation")
+        wdil = positive(window_dilation, node.rank, f"{where}: window_dilation")
+        pads = window_padding(padding, [dilated(s, d) for s, d in zip(node.shape, base, strict=True)],
+                              [dilated(w, r) for w, r in zip(window, wdil, strict=True)], strides)
+        shape = [window_output_size(*args) for args in zip(node.shape, window, strides, pads, base, wdil, strict=True)]
+        attrs = {"op": op, "window_dimensions": window, "window_strides": strides, "padding": pads,
+                 "base_dilation": base, "window_dilation": wdil}
+        return self._add(OpKind.REDUCE_WINDOW, (x,), shape, node.dtype, attrs, name)
+
+    def max_pool(self, x: int, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                 padding: str | Sequence[Sequence[int]] = "VALID", name: str = "") -> int:
+        """Flax's `nn.max_pool` on [batch, spatial..., features]: a window max over the spatial dims."""
+        return self.reduce_window(x, "max", *self._pool_window(x, window_shape, strides, padding), name=name)
+
+    def avg_pool(self, x: int, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                 padding: str | Sequence[Sequence[int]] = "VALID", name: str = "") -> int:
+        """Flax's `nn.avg_pool` (padding counted): a window sum over the spatial dims over the window size."""
+        total = self.reduce_window(x, "sum", *self._pool_window(x, window_shape, strides, padding))
+        return self.div(total, self.full(self.shape(total), float(math.prod(window_shape)), self._node(x).dtype),
+                        name=name)
+
+    def _pool_window(self, x: int, window_shape: Sequence[int], strides: Sequence[int] | None,
+                     padding: str | Sequence[Sequence[int]]) -> tuple:
+        rank, n = self._node(x).rank, len(window_shape)
+        if n != rank - 2:
+            raise GraphError(f"pooling of {self._node(x).label} {self.shape(x)}: window {tuple(window_shape)} needs "
+                             f"{rank - 2} entries (one per spatial dim of [batch, spatial..., features])")
+        strides = tuple(strides) if strides is not None else (1,) * n
+        if not isinstance(padding, str):
+            padding = ((0, 0), *padding, (0, 0))
+        return (1, *window_shape, 1), (1, *strides, 1), padding
+
+    def select_and_scatter_add(self, source: int, operand: int, window_dimensions: Sequence[int],
+                               window_strides: Sequence[int] | None = None,
+                               padding: Sequence[Sequence[int]] | None = None, select: str = "ge",
+                               name: str = "") -> int:
+        """Zeros shaped like `operand` with each entry of `source` added where its window of
+        `operand` holds its largest (`select="ge"`, the first on ties) or smallest ("le") value:
+        the gradient of a window max (min) pooling, `source` being the pooled output's cotangent."""
+        src, node = self._node(source), self._node(operand)
+        where = f"select_and_scatter_add {name!r}" if name else "select_and_scatter_add"
+        if select not in ("ge", "le"):
+            raise GraphError(f"{where}: select {select!r} must be 'ge' (max) or 'le' (min)")
+        window = positive(window_dimensions, node.rank, f"{where}: window_dimensions")
+        strides = positive(window_strides, node.rank, f"{where}: window_strides")
+        pads = window_padding(padding, node.shape, window, strides)
+        if any(lo < 0 or hi < 0 for lo, hi in pads):
+            raise GraphError(f"{where}: padding {pads} must not be negative")
+        pooled = tuple(window_output_size(*args) for args in zip(node.shape, window, strides, pads, strict=True))
+        if src.shape != pooled:
+            raise GraphError(f"{where}: source {src.label} {src.shape} must have the pooled shape {pooled} of "
+                             f"{node.label} {node.shape}")
+        attrs = {"select": select, "window_dimensions": window, "window_strides": strides, "padding": pads}
+        return self._add(OpKind.SELECT_AND_SCATTER_ADD, (source, operand), node.shape, src.dtype, attrs, name)
+
+    def reverse(self, x: int, dims: Sequence[int], name: str = "") -> int:
+        """`x` with the entries of `dims` in reverse order (`jax.lax.rev`)."""
+        node, dims = self._node(x), tuple(sorted(int(d) for d in dims))
+        self._check_dims("reverse", dims, node.rank)
+        return self._add(OpKind.REVERSE, (x,), node.shape, node.dtype, {"dims": dims}, name)
 
     # -- elementwise -------------------------------------------------------------------------
 

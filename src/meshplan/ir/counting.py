@@ -11,7 +11,7 @@ from meshplan.ir.node import Node, OpKind
 _DATA_MOVEMENT = {
     OpKind.PARAMETER, OpKind.CONSTANT, OpKind.IOTA, OpKind.BROADCAST, OpKind.RESHAPE,
     OpKind.TRANSPOSE, OpKind.SLICE, OpKind.CONCATENATE, OpKind.GATHER, OpKind.DYNAMIC_SLICE,
-    OpKind.DYNAMIC_UPDATE_SLICE,
+    OpKind.DYNAMIC_UPDATE_SLICE, OpKind.REVERSE,
 }
 # Elementwise ops that cost several FLOPs per element (rough libm figures).
 _TRANSCENDENTAL_FLOPS = {"exp": 4, "log": 4, "tanh": 6, "logistic": 6, "rsqrt": 2, "sqrt": 2,
@@ -24,6 +24,14 @@ def node_flops(graph: Graph, node: Node) -> float:
         lhs = graph[node.operands[0]]
         contracted = math.prod(lhs.shape[d] for d in node.attr("lhs_contracting"))
         return 2.0 * node.size * contracted
+    if node.kind is OpKind.CONV:  # each output entry: a multiply-add per kernel input feature and tap
+        kernel = graph[node.operands[1]]
+        return 2.0 * node.size * (kernel.size // max(kernel.shape[node.attr("rhs_spec")[0]], 1))
+    if node.kind is OpKind.REDUCE_WINDOW:  # one op per window entry of each output entry
+        return float(node.size * math.prod(node.attr("window_dimensions")))
+    if node.kind is OpKind.SELECT_AND_SCATTER_ADD:  # a comparison per window entry, an add per source entry
+        source = graph[node.operands[0]]
+        return float(source.size * (math.prod(node.attr("window_dimensions")) + 1))
     if node.kind is OpKind.REDUCE:
         return float(graph[node.operands[0]].size)
     if node.kind is OpKind.SCATTER_ADD:

@@ -20,6 +20,7 @@ from meshplan.errors import GraphError
 from meshplan.ir.dtypes import DType
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import Node, OpKind
+from meshplan.ir.windows import ConvDims, Padding, dilated, window_output_size
 
 _NUMPY_DTYPES = {
     DType.F64: np.float64, DType.F32: np.float32, DType.BF16: np.float32, DType.F16: np.float16,
@@ -358,3 +359,86 @@ def _top_k(node: Node, args: list[np.ndarray]) -> np.ndarray:
 def _arg_reduce(node: Node, args: list[np.ndarray]) -> np.ndarray:
     pick = np.argmax if node.op == "argmax" else np.argmin
     return pick(args[0], axis=node.attr("dim"))
+
+
+@_register(OpKind.REVERSE)
+def _reverse(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    return np.flip(args[0], node.attr("dims"))
+
+
+# -- convolutions and window reductions ----------------------------------------------------------
+
+
+def _window_entries(x: np.ndarray, window: tuple[int, ...], strides: tuple[int, ...], padding: Padding,
+                    base_dilation: tuple[int, ...], window_dilation: tuple[int, ...], fill: float) -> np.ndarray:
+    """Every window of `x` at every output position: shape (window entries, *output shape), in
+    row-major window order. Padding (negative crops) and dilation holes hold `fill`."""
+    if any(d > 1 for d in base_dilation):
+        spread = np.full([dilated(n, d) for n, d in zip(x.shape, base_dilation, strict=True)], fill, x.dtype)
+        spread[tuple(slice(None, None, d) for d in base_dilation)] = x
+        x = spread
+    x = x[tuple(slice(max(-lo, 0), n - max(-hi, 0)) for n, (lo, hi) in zip(x.shape, padding, strict=True))]
+    x = np.pad(x, [(max(lo, 0), max(hi, 0)) for lo, hi in padding], constant_values=fill)
+    out = [window_output_size(n, k, s, (0, 0), 1, r)
+           for n, k, s, r in zip(x.shape, window, strides, window_dilation, strict=True)]
+    entries = []
+    for offset in np.ndindex(*window):
+        first = [o * r for o, r in zip(offset, window_dilation, strict=True)]
+        entries.append(x[tuple(slice(f, f + (m - 1) * s + 1, s) if m else slice(0, 0)
+                               for f, m, s in zip(first, out, strides, strict=True))])
+    return np.stack(entries)
+
+
+@_register(OpKind.CONV)
+def _conv(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """Windows of the (canonical NC...) input contracted with the (canonical OI...) kernel, per group."""
+    dims = ConvDims.of(node)
+    wide = np.result_type(args[0], args[1], _NUMPY_DTYPES[node.dtype])
+    lhs, rhs = args[0].astype(wide).transpose(dims.lhs), args[1].astype(wide).transpose(dims.rhs)
+    spatial = dims.spatial_rank
+    kernel = rhs.shape[2:]
+    windows = _window_entries(lhs, (1, 1, *kernel), (1, 1, *node.attr("window_strides")),
+                              ((0, 0), (0, 0), *node.attr("padding")), (1, 1, *node.attr("lhs_dilation")),
+                              (1, 1, *node.attr("rhs_dilation")), 0.0)
+    taps, n, c = windows.shape[0], windows.shape[1], windows.shape[2]
+    out_spatial = windows.shape[3:3 + spatial]
+    fg, bg = node.attr("feature_group_count"), node.attr("batch_group_count")
+    o = rhs.shape[0]
+    windows = windows.reshape(taps, bg, n // bg, fg, c // fg, -1)
+    kernel_taps = rhs.reshape(bg, fg, o // (bg * fg), rhs.shape[1], taps)
+    out = np.einsum("tbngcp,bgoct->nbgop", windows, kernel_taps)
+    out = out.reshape(n // bg, o, *out_spatial)
+    return out.transpose(np.argsort(dims.out))
+
+
+_WINDOW_IDENTITY = {"sum": 0.0, "max": -np.inf, "min": np.inf}
+_WINDOW_REDUCERS = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+@_register(OpKind.REDUCE_WINDOW)
+def _reduce_window(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    x = args[0]
+    fill = _WINDOW_IDENTITY[node.op]
+    if np.issubdtype(x.dtype, np.integer) and fill:
+        fill = np.iinfo(x.dtype).min if node.op == "max" else np.iinfo(x.dtype).max
+    entries = _window_entries(x, node.attr("window_dimensions"), node.attr("window_strides"), node.attr("padding"),
+                              node.attr("base_dilation"), node.attr("window_dilation"), fill)
+    return _WINDOW_REDUCERS[node.op](entries, axis=0)
+
+
+@_register(OpKind.SELECT_AND_SCATTER_ADD)
+def _select_and_scatter_add(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """Each source entry added at the first extreme entry of its window (XLA keeps the selected
+    entry while select(kept, next) holds: with >=, the first maximum)."""
+    source, operand = args
+    window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
+    ones = (1,) * operand.ndim
+    fill = -np.inf if node.attr("select") == "ge" else np.inf
+    entries = _window_entries(operand.astype(np.float64), window, strides, padding, ones, ones, fill)
+    picked = (np.argmax if node.attr("select") == "ge" else np.argmin)(entries, axis=0)
+    padded = np.zeros([n + lo + hi for n, (lo, hi) in zip(operand.shape, padding, strict=True)],
+                      np.result_type(source, _NUMPY_DTYPES[node.dtype]))
+    for t, offset in enumerate(np.ndindex(*window)):
+        region = tuple(slice(o, o + (m - 1) * s + 1, s) for o, m, s in zip(offset, source.shape, strides, strict=True))
+        padded[region] += np.where(picked == t, source, 0)
+    return padded[tuple(slice(lo, lo + n) for n, (lo, _) in zip(operand.shape, padding, strict=True))]

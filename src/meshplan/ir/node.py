@@ -17,6 +17,7 @@ class OpKind(enum.Enum):
     CONSTANT = "constant"
     IOTA = "iota"
     DOT = "dot"
+    CONV = "conv"  # convolution, any rank (attrs: lhs/rhs/out_spec dims, strides, padding, dilations, groups)
     ELEMENTWISE = "elementwise"  # unary, binary, ternary, compare, select, convert (attr "op")
     BROADCAST = "broadcast"
     RESHAPE = "reshape"
@@ -31,6 +32,9 @@ class OpKind(enum.Enum):
     CUMULATIVE = "cumulative"  # running sum/prod/max/min/logsumexp along one dim (attr "op")
     SORT = "sort"  # one result of a (multi-operand) sort along one dim (attr "output")
     TOP_K = "top_k"  # the k largest entries of the last dim: values (output 0) or indices (1)
+    REDUCE_WINDOW = "reduce_window"  # sum/max/min over sliding windows (pooling; attr "op")
+    SELECT_AND_SCATTER_ADD = "select_and_scatter_add"  # max pooling's gradient: each window's value added at its max
+    REVERSE = "reverse"  # entries of some dims in reverse order (a kernel flipped for a conv's input gradient)
     ARG_REDUCE = "arg_reduce"  # argmax/argmin along one dim (attr "op")
     RANDOM = "random"  # random bits and key handling (attr "op": random_bits, rng_bit_generator, ...)
     OPAQUE = "opaque"
