@@ -209,19 +209,25 @@ Example (Megatron's GPT-3 175B recipe on 64 A100s):
 @app.command(epilog=_LAYOUT_HELP, short_help="Plan training on a cluster; predict time and memory.")
 @user_errors
 def simulate(
-    model: Annotated[str, typer.Option(help="Model preset (e.g. llama2-13b) or a config.json path.")] = "llama2-13b",
+    model: Annotated[str, typer.Option(help="Model preset (e.g. llama2-13b, wresnet-2b) or a config.json "
+                                            "path.")] = "llama2-13b",
     cluster: Annotated[str, typer.Option(help="Nodes x devices per node, e.g. 50x4.")] = "50x4",
     device: Annotated[str, typer.Option(help="Device type, e.g. v100-32gb, a100-80gb, h100-80gb.")] = "v100-32gb",
     memory: Annotated[str, typer.Option(help="Override memory per device, e.g. 32GB.")] = "",
-    global_batch: Annotated[int, typer.Option(help="Sequences per iteration.")] = 1000,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
-    microbatch_sizes: Annotated[str, typer.Option(help="Sequences per micro-batch to try, e.g. 4,8,16.")] = "",
+    global_batch: Annotated[int, typer.Option(help="Sequences (images) per iteration.")] = 1000,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence [default: 4096; image models take "
+                                                        "none]", show_default=False)] = None,
+    microbatch_sizes: Annotated[str, typer.Option(help="Sequences (images) per micro-batch to try, e.g. "
+                                                       "4,8,16.")] = "",
     chunks: Annotated[str, typer.Option(help="Model chunks per device to plan for: 1 is 1F1B, more is "
                                              "interleaved 1F1B.")] = "1,2,4",
     efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s non-GEMM kernels sustain.")] = 0.5,
     gemm_curve: Annotated[bool, typer.Option(help="Price GEMMs from their (m, n, k), not at --efficiency.")] = True,
-    dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32.")] = "bf16",
-    optimizer: Annotated[str, typer.Option(help="adam (mixed precision) or sgd.")] = "adam",
+    dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32 "
+                                            "[default: bf16; f32 for ResNets, as Alpa ran them]",
+                                       show_default=False)] = "",
+    optimizer: Annotated[str, typer.Option(help="adam (mixed precision), momentum (SGD, Nesterov) or sgd "
+                                                "[default: adam; momentum for ResNets]", show_default=False)] = "",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
     executor: Annotated[str, typer.Option(help="Where pricing tasks run: auto, inprocess, pool or ray.")] = "auto",
     ray_address: Annotated[str, typer.Option(help="With --executor ray: local (start one here), auto or "
@@ -236,9 +242,10 @@ def simulate(
         help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
              "example below).")] = "",
     efficiency_file: Annotated[str, typer.Option(help="Kernel efficiencies (JSON) for --layout pricing.")] = "",
-    pricer: Annotated[str, typer.Option(help="How --layout is priced: formula (closed form) or graph (fixed "
-                                             "per-op strategies on the operator graph: the auto planner's "
-                                             "pricer).")] = "formula",
+    pricer: Annotated[str, typer.Option(help="How --layout is priced: formula (closed form; transformers "
+                                             "only) or graph (fixed per-op strategies on the operator graph: the "
+                                             "auto planner's pricer) [default: formula]",
+                                        show_default=False)] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     out: Annotated[str, typer.Option(help="Also write the JSON result to this file.")] = "",
     html: Annotated[str, typer.Option(help="Also write the HTML report (charts, tables) to this file.")] = "",
@@ -248,7 +255,7 @@ def simulate(
     from meshplan.cluster.devices import device_from_overrides, get_device
     from meshplan.distributed import TaskRunner, make_executor
     from meshplan.ir import as_dtype
-    from meshplan.models.transformer import model_config
+    from meshplan.models.registry import simulation_model
     from meshplan.report.simulation_text import print_simulation
     from meshplan.simulator import PlannerOptions, TrainingJob
     from meshplan.simulator import simulate as run_simulation
@@ -261,11 +268,15 @@ def simulate(
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
                              microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
                              chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
-    job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
+    spec_of_model = simulation_model(model)
+    _check_image_options(spec_of_model, seq_len, layout, pricer)
+    job = TrainingJob(spec_of_model, global_batch, seq_len or (4096 if spec_of_model.sample_unit == "tokens" else 1),
+                      as_dtype(dtype) if dtype else spec_of_model.default_dtype,
+                      optimizer or spec_of_model.default_optimizer)
     if layout:
         from meshplan.report.simulation_text import print_layout
 
-        plan = _price_layout(job, machines, layout, efficiency_file, pricer)
+        plan = _price_layout(job, machines, layout, efficiency_file, pricer or "formula")
         data, show = plan.to_dict(), print_layout
     else:
         runner = TaskRunner(make_executor(executor, workers, ray_address), task_retries, task_time_limit or None,
@@ -365,6 +376,24 @@ def diff(
 
 
 PRICERS = ("formula", "graph")
+
+
+def _check_image_options(spec: Any, seq_len: int | None, layout: str, pricer: str) -> None:
+    """Options that describe transformers only, refused for image models with what to do instead."""
+    if spec.closed_form:
+        return
+    name = spec.name
+    if pricer == "formula":
+        raise MeshplanError(f"--pricer formula is the closed form of Megatron-style transformer layouts; {name} is "
+                            "a convolutional network, priced on its operator graph by the auto planner (the graph "
+                            "pricer). Drop --pricer formula (or pass --pricer graph).")
+    if layout:
+        raise MeshplanError(f"--layout prices Megatron-style transformer layouts (tp, pp, dp, cp, ...); {name} is "
+                            "planned by the auto planner, which reports the data-parallel, ZeRO-2 and pipeline + "
+                            "data-parallel baselines beside its plan. Drop --layout.")
+    if seq_len not in (None, 1):
+        raise MeshplanError(f"{name} takes {spec.image_size}x{spec.image_size} images, not sequences: drop --seq-len "
+                            "(--global-batch counts images).")
 
 
 def _price_layout(job: TrainingJob, machines: Cluster, text: str, efficiency_file: str, pricer: str) -> Plan:

@@ -1,16 +1,39 @@
-"""Model presets by name."""
+"""Model presets by name: forward graphs of LLaMA presets, and every model the simulator plans."""
 
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from meshplan.errors import ModelSpecError
 from meshplan.ir import Graph
 from meshplan.models.llama import LLAMA_PRESETS, llama_forward
+from meshplan.models.resnet import WRESNET_PRESETS
+from meshplan.models.training import ModelConfig
+from meshplan.models.transformer import PRESETS, model_config
 
 
 def model_names() -> tuple[str, ...]:
     return tuple(sorted(LLAMA_PRESETS))
+
+
+def simulation_model(name: str) -> ModelConfig:
+    """A model the simulator plans: a transformer or ResNet preset by name, or a Hugging Face
+    `config.json` path.
+
+    Raises:
+        ModelSpecError: unknown name (listing the presets and the closest one), or a bad config.
+    """
+    key = name.lower()
+    if key in WRESNET_PRESETS:
+        return WRESNET_PRESETS[key]
+    if key in PRESETS or name.endswith(".json") or Path(name).is_file():
+        return model_config(name)
+    known = sorted([*PRESETS, *WRESNET_PRESETS])
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ModelSpecError(f"unknown model {name!r}; known models: {', '.join(known)}, or a path to a Hugging Face "
+                         f"config.json.{hint}")
 
 
 def forward_graph(name: str, batch: int, seq_len: int, layers: int | None = None,

@@ -106,7 +106,8 @@ class ResNetConfig:
     @property
     def stem_side(self) -> int:
         """Side of the stem's output: the 7x7 stride-2 conv, then the stride-2 max pool."""
-        return -(-(-(-self.image_size // 2)) // 2)
+        after_conv = -(-self.image_size // 2)
+        return -(-after_conv // 2)
 
     def blocks(self) -> tuple[BlockShape, ...]:
         """Every bottleneck block in order."""
@@ -151,7 +152,8 @@ class ResNetConfig:
         image's forward pass: what the usual "ResNet-50 is 4.1 GFLOPs" counts in multiply-adds."""
         side = -(-self.image_size // 2)
         stem = 2.0 * side * side * 7 * 7 * 3 * self.channels
-        blocks = sum(2.0 * out * out * k * k * cin * cout for b in self.blocks() for k, cin, cout, out in b.convolutions())
+        blocks = sum(2.0 * out * out * k * k * cin * cout
+                     for b in self.blocks() for k, cin, cout, out in b.convolutions())
         return stem + blocks + 2.0 * self.blocks()[-1].out_channels * self.num_classes
 
     def training_flops(self, samples: int, seq_len: int = 1) -> float:
@@ -235,7 +237,7 @@ def relu(b: GraphBuilder, x: int) -> int:
 def stem(b: GraphBuilder, images: int, cfg: ResNetConfig) -> int:
     """7x7 stride-2 convolution (padding 3), batch norm, ReLU, 3x3 stride-2 max pool ("SAME")."""
     x = relu(b, batch_norm(b, conv(b, images, 7, cfg.channels, 2, "stem.conv", ((3, 3), (3, 3))), "stem.bn"))
-    return b.reduce_window(x, "max", (1, 3, 3, 1), (1, 2, 2, 1), "SAME", name="stem.pool")
+    return b.max_pool(x, (3, 3), (2, 2), "SAME", name="stem.pool")
 
 
 def bottleneck(b: GraphBuilder, x: int, block: BlockShape, prefix: str) -> int:

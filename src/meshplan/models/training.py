@@ -1,10 +1,11 @@
 """Training graphs of model pieces: forward, backward (autodiff) and gradient outputs.
 
 A pipeline stage runs some blocks, plus the first piece (a transformer's embedding, a ResNet's
-stem) on the first stage and the last (the LM head, the classifier) on the last. Each piece becomes one micro-batch graph: its input activations are parameters,
-the cotangent arriving from the next stage is a parameter too (loss = sum(out * cotangent)
-gives exactly the backward pass a pipeline stage runs), and parameter gradients are marked
-`accumulated`: they are summed over micro-batches and synchronised once per iteration.
+stem) on the first stage and the last (the LM head, the classifier) on the last. Each piece
+becomes one micro-batch graph: its input activations are parameters, the cotangent arriving from
+the next stage is a parameter too (loss = sum(out * cotangent) gives exactly the backward pass a
+pipeline stage runs), and parameter gradients are marked `accumulated`: they are summed over
+micro-batches and synchronised once per iteration.
 """
 
 from __future__ import annotations

@@ -8,7 +8,14 @@ from rich.table import Table
 
 from meshplan.plan import Plan
 from meshplan.report.tables import gb, table
-from meshplan.report.text import baselines_table, header_lines, prediction_lines, stages_table, time_range
+from meshplan.report.text import (
+    baselines_table,
+    header_lines,
+    prediction_lines,
+    stages_table,
+    time_range,
+    unpriced_baseline_lines,
+)
 
 
 def print_simulation(plan: Plan, console: Console | None = None) -> None:
@@ -20,9 +27,8 @@ def print_simulation(plan: Plan, console: Console | None = None) -> None:
         console.print(line, highlight=False)
     if plan.baselines:
         console.print(baselines_table(plan))
-        for b in plan.baselines:
-            if b.prediction is None:
-                console.print(f"{b.name} does not fit: {b.reason}", highlight=False)
+        for line in unpriced_baseline_lines(plan):
+            console.print(line, highlight=False)
     beside = recipe_table(plan)
     if beside is not None:
         console.print(beside)

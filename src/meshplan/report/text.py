@@ -113,10 +113,8 @@ def print_report(plan: Plan, console: Console | None = None, ops: OpFilter | Non
         console.print(operators_table(plan, ops))
     if plan.baselines:
         console.print(baselines_table(plan))
-        for b in plan.baselines:
-            if b.prediction is None:
-                verdict = "does not apply" if b.config == NOT_APPLICABLE else "does not fit"
-                console.print(f"{b.name} {verdict}: {b.reason}", highlight=False)
+        for line in unpriced_baseline_lines(plan):
+            console.print(line, highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
 
@@ -130,8 +128,9 @@ def header_lines(plan: Plan) -> list[str]:
     if plan.cluster:
         facts.append(f"cluster {plan.cluster[0]}x{plan.cluster[1]} {plan.device}".rstrip())
     if plan.global_batch:
-        facts.append(f"global batch {plan.global_batch}" + (f" x {plan.seq_len} tokens" if plan.seq_len else
-                                                            f" {plan.sample_unit}" if plan.sample_unit != "tokens" else ""))
+        unit = f" x {plan.seq_len} tokens" if plan.seq_len else \
+            f" {plan.sample_unit}" if plan.sample_unit != "tokens" else ""
+        facts.append(f"global batch {plan.global_batch}{unit}")
     facts.append(f"schedule {plan.schedule}, {plan.num_microbatches} micro-batch(es)"
                  + (f" of {plan.microbatch_size}" if plan.microbatch_size else ""))
     lines.append(", ".join(facts))
@@ -176,8 +175,8 @@ def prediction_lines(plan: Plan) -> list[str]:
     lines = [f"iteration time  {p.iteration_time_s:.4g} s{time_range(plan)} (pipeline {p.pipeline_time_s:.4g} s "
              f"+ gradient sync and optimizer {p.sync_time_s:.4g} s)"]
     if p.tokens_per_s is not None:
-        lines.append(f"throughput      {p.tokens_per_s:,.0f} {plan.sample_unit}/s, {p.tflops_per_device:.1f} TFLOP/s per "
-                     f"device, MFU {p.mfu:.1%}")
+        lines.append(f"throughput      {p.tokens_per_s:,.0f} {plan.sample_unit}/s, {p.tflops_per_device:.1f} "
+                     f"TFLOP/s per device, MFU {p.mfu:.1%}")
     if p.peak_memory_bytes is not None:
         lines.append(f"peak memory     {gb(p.peak_memory_bytes)} GB per device")
     parts = plan.metrics_under("memory.")
@@ -272,6 +271,12 @@ def operators_table(plan: Plan, ops: OpFilter) -> Table:
                     t.add_row(str(k), layer if chosen.layer is not None else "-", local_name(chosen.name), chosen.op,
                               chosen.strategy, ", ".join(str(c) for c in chosen.collectives) or "-")
     return t
+
+
+def unpriced_baseline_lines(plan: Plan) -> list[str]:
+    """Why each baseline without a prediction has none: it does not fit, or does not apply."""
+    return [f"{b.name} {'does not apply' if b.config == NOT_APPLICABLE else 'does not fit'}: {b.reason}"
+            for b in plan.baselines if b.prediction is None]
 
 
 def baselines_table(plan: Plan) -> Table:

@@ -24,7 +24,7 @@ from meshplan.inter.stages import (
     leanest_memory,
 )
 from meshplan.simulator.job import PlannerOptions, TrainingJob
-from meshplan.simulator.planner import PipelinePlan, Priced, capacity, inter_options
+from meshplan.simulator.planner import PipelinePlan, Priced, capacity, inter_options, planned_microbatch_sizes
 from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, planner_views, price_tasks
 
 _ONE_F_ONE_B = get_schedule("1f1b")
@@ -150,19 +150,42 @@ def evaluate_configuration(job: TrainingJob, cluster: Cluster, tp: int, pp: int,
 def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerOptions,
                            priced: Priced, runner: TaskRunner | None = None) -> tuple[Baseline, Baseline]:
     """Pure data parallelism over every device (weights replicated) and ZeRO-2 (gradients and
-    Adam state sharded over all devices, the same communication volume)."""
+    optimizer state sharded over all devices, the same communication volume), each at the
+    fastest of `data_parallel_microbatches` that fits."""
     devices = cluster.num_devices
     shape = (cluster.nodes, cluster.devices_per_node)
     index = _view_index(cluster, shape, (devices, 1))
-    b = next((d for d in range(devices, job.global_batch + 1, devices) if job.global_batch % d == 0), None)
-    if index is None or b is None:
+    sizes = data_parallel_microbatches(job, cluster, options)
+    if index is None or not sizes:
         reason = f"the global batch {job.global_batch} cannot be split evenly over {devices} devices"
         return Baseline("data-parallel", None, reason), Baseline("zero-2", None, reason)
-    key = ViewKey("dp", b, shape, index)
-    if key not in priced:  # gradients all-reduced: reduce-scattering them would be ZeRO-2 already
-        task = _task(job, cluster, key, replace(options, reduce_scatter=False), lean=False)
-        priced.update(price_tasks([task], runner, None, "pricing data parallel"))
-    view = priced[key].costs
+    tasks = [_task(job, cluster, key, replace(options, reduce_scatter=False), lean=False)
+             for key in (ViewKey("dp", b, shape, index) for b in sizes) if key not in priced]
+    # gradients all-reduced: reduce-scattering them would be ZeRO-2 already
+    priced.update(price_tasks(tasks, runner, None, "pricing data parallel"))
+    found = [_data_parallel_at(job, cluster, options, priced[ViewKey("dp", b, shape, index)].costs, b) for b in sizes]
+    return _fastest([plain for plain, _ in found]), _fastest([zero for _, zero in found])
+
+
+def data_parallel_microbatches(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> tuple[int, ...]:
+    """Micro-batch sizes the data-parallel baselines try: the smallest even split of the global
+    batch over the devices (a transformer's sequences fill a device already); for image models
+    also the planner's micro-batch sizes that split evenly (one image per device would leave
+    every convolution a thin matrix)."""
+    devices = cluster.num_devices
+    smallest = next((d for d in range(devices, job.global_batch + 1, devices) if job.global_batch % d == 0), None)
+    if smallest is None:
+        return ()
+    if job.model.sample_unit == "tokens":
+        return (smallest,)
+    planned = [b for b in planned_microbatch_sizes(job, cluster, options) if b % devices == 0]
+    return tuple(sorted({smallest, *planned}))
+
+
+def _data_parallel_at(job: TrainingJob, cluster: Cluster, options: PlannerOptions, view: ViewCosts,
+                      b: int) -> tuple[Baseline, Baseline]:
+    """Data parallel and ZeRO-2 at micro-batch size b."""
+    devices = cluster.num_devices
     num_microbatches = job.global_batch // b
     usable = capacity(cluster, options)
     config = f"dp={devices} micro-batch={b} ({b // devices} per device)"
@@ -183,6 +206,12 @@ def evaluate_data_parallel(job: TrainingJob, cluster: Cluster, options: PlannerO
             stage = replace(stage, memory=stage.memory - extra)
             results.append(Baseline(name, _single_stage(stage, b, num_microbatches, name), config=config))
     return results[0], results[1]
+
+
+def _fastest(found: list[Baseline]) -> Baseline:
+    """The fastest baseline that fits, else the first (whose reason says what it needs)."""
+    fits = [b for b in found if b.plan is not None]
+    return min(fits, key=lambda b: b.plan.iteration_time) if fits else found[0]
 
 
 def _iteration(cluster: Cluster, options: PlannerOptions) -> IterationComm:

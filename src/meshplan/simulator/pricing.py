@@ -2,12 +2,13 @@
 
 A model's training graph is cut into pieces (each block; the first piece (a transformer's
 embedding, a ResNet's stem), stacked onto the first layer; the last (the LM head, the
-classifier), stacked onto the last). Every piece is planned by the intra-op ILP on
-each logical view of each candidate sub-mesh, once per memory price (a menu: the fastest plan,
-then plans that hold less memory for more time), and its costs are read off the plan
-(meshplan.inter.costs.layer_cost). Blocks of one kind (`layer_kind`: dense or MoE; a ResNet's block shape) are planned once. The work is a list of
-independent `PricingTask`s, run through a `meshplan.distributed.TaskRunner` (`price_tasks`): in this
-process, a process pool or Ray, with retries and an optional resume cache.
+classifier), stacked onto the last). Every piece is planned by the intra-op ILP on each logical
+view of each candidate sub-mesh, once per memory price (a menu: the fastest plan, then plans
+that hold less memory for more time), and its costs are read off the plan
+(meshplan.inter.costs.layer_cost). Blocks of one kind (`layer_kind`: dense or MoE; a ResNet's
+block shape) are planned once. The work is a list of independent `PricingTask`s, run through a
+`meshplan.distributed.TaskRunner` (`price_tasks`): in this process, a process pool or Ray, with
+retries and an optional resume cache.
 """
 
 from __future__ import annotations
