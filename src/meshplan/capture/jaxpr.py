@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from meshplan.capture import indexing, ordering, prng, windows  # noqa: F401  (register their rules)
+from meshplan.capture import convolution, indexing, ordering, prng, windows  # noqa: F401  (register their rules)
 from meshplan.capture.flatten import FlatProgram, flatten
 from meshplan.capture.rules import PASS_THROUGH, RULES, ir_dtype
 from meshplan.ir import Graph, GraphBuilder

@@ -9,22 +9,34 @@ from __future__ import annotations
 
 from meshplan.capture.flatten import Step
 from meshplan.capture.rules import register
-from meshplan.ir import GraphBuilder
+from meshplan.ir import GraphBuilder, OpKind
 
 
 @register("pad")
 def _pad(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     """Per dim: a negative edge is a slice, a positive one a concatenation with the padding value
-    broadcast to the edge's shape. Interior padding (between entries) has no IR form."""
+    broadcast to the edge's shape. Interior padding (between entries, as a strided average
+    pooling's gradient has) with zeros is a window sum of one entry over the base-dilated operand;
+    with another value it has no IR form."""
     x, value = xs
-    for dim, (low, high, interior) in enumerate(step.params["padding_config"]):
-        if interior:
+    config = [(int(lo), int(hi), int(interior)) for lo, hi, interior in step.params["padding_config"]]
+    if any(interior for _, _, interior in config):
+        if not _is_zero(b, value) or any(lo < 0 or hi < 0 for lo, hi, _ in config):
             raise NotImplementedError
+        ones = (1,) * len(config)
+        return [b.reduce_window(x, "sum", ones, ones, [(lo, hi) for lo, hi, _ in config],
+                                [interior + 1 for _, _, interior in config])]
+    for dim, (low, high, _) in enumerate(config):
         x = _cut(b, x, dim, max(-int(low), 0), max(-int(high), 0))
         parts = [_edge(b, value, x, dim, int(low)), x, _edge(b, value, x, dim, int(high))]
         parts = [p for p in parts if p is not None]
         x = parts[0] if len(parts) == 1 else b.concatenate(parts, dim)
     return [x]
+
+
+def _is_zero(b: GraphBuilder, value: int) -> bool:
+    node = b.node(value)
+    return node.kind is OpKind.CONSTANT and node.attr("value") == 0
 
 
 def _cut(b: GraphBuilder, x: int, dim: int, low: int, high: int) -> int:
