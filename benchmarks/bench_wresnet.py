@@ -1,0 +1,97 @@
+"""Plan Alpa's Wide-ResNet weak-scaling cases (OSDI'22 Fig. 7c; benchmark/alpa/suite_wresnet.py:
+wresnet-250m on 1 V100 up to wresnet-13b on 64, 16 GB V100s, 8 per node as AWS p3.16xlarge,
+fp32, SGD with Nesterov momentum, global batch 1536 (1520 on 64 GPUs)); record the predicted
+TFLOP/s per GPU, the chosen stages and meshes, the baselines and the planner's seconds.
+Writes benchmarks/results/wresnet.json and prints the Markdown table of docs/wresnet.md.
+Run: python benchmarks/bench_wresnet.py [GPUS ...]   (default: 1 2 4 8 16 32 64)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+from meshplan.cluster import Cluster, get_device
+from meshplan.models.resnet import WRESNET_PRESETS
+from meshplan.simulator import PlannerOptions, TrainingJob, simulate
+
+from common import save
+
+# GPUs -> (model, global batch, Alpa's chosen stages as (layers, sub-mesh, logical mesh)) from
+# suite_wresnet.py's perf_test_auto_suite (the solutions Alpa's search found on p3.16xlarge).
+ALPA_CASES = {
+    1: ("wresnet-250m", 1536, [("0-15", "1x1", "1x1")]),
+    2: ("wresnet-500m", 1536, [("0-15", "1x2", "1x2")]),
+    4: ("wresnet-1b", 1536, [("0-15", "1x4", "1x4")]),
+    8: ("wresnet-2b", 1536, [("0-7", "1x4", "4x1"), ("8-15", "1x4", "1x4")]),
+    16: ("wresnet-4b", 1536, [("0-4", "1x4", "4x1"), ("5-8", "1x4", "4x1"), ("9-15", "1x8", "8x1")]),
+    32: ("wresnet-6.8b", 1536, [("0-4", "1x8", "8x1"), ("5-8", "1x8", "8x1"), ("9-12", "1x8", "8x1"),
+                                ("13-15", "1x8", "8x1")]),
+    64: ("wresnet-13b", 1520, [(f"{a}-{b}", "1x8", m) for (a, b), m in zip(
+        ((0, 3), (4, 7), (8, 11), (12, 15), (16, 19), (20, 23), (24, 28), (29, 32)),
+        ("8x1", "1x8", "8x1", "1x8", "8x1", "8x1", "1x8", "8x1"), strict=True)]),
+}
+
+
+def cluster_of(gpus: int) -> Cluster:
+    """Alpa's p3.16xlarge nodes: up to 8 V100-16GB each."""
+    device = get_device("v100-16gb")
+    return Cluster(1, gpus, device) if gpus <= 8 else Cluster(gpus // 8, 8, device)
+
+
+def main(gpu_counts: list[int]) -> None:
+    warnings.simplefilter("ignore")
+    cases = [_case(gpus) for gpus in gpu_counts]
+    print("wrote", save("wresnet", cases))
+    print(markdown(cases))
+
+
+def _case(gpus: int) -> dict:
+    name, batch, alpa_stages = ALPA_CASES[gpus]
+    cluster = cluster_of(gpus)
+    job = TrainingJob(WRESNET_PRESETS[name], batch, 1, WRESNET_PRESETS[name].default_dtype, "momentum")
+    start = time.perf_counter()
+    sim = simulate(job, cluster, PlannerOptions())
+    total = time.perf_counter() - start
+    plan = sim.plan
+    case = {"gpus": gpus, "model": name, "cluster": f"{cluster.nodes}x{cluster.devices_per_node}",
+            "global_batch": batch, "planner_total_s": total, "phases_s": sim.phases,
+            "params": job.model.num_params(), "auto": _prediction(plan), "microbatch_size": plan.microbatch_size,
+            "num_microbatches": plan.num_microbatches, "schedule": plan.schedule, "notes": list(plan.notes),
+            "stages": [_stage(s) for s in plan.stages], "alpa_stages": alpa_stages,
+            "baselines": {b.name: (_prediction(b.plan) if b.plan else {"fits": False, "reason": b.reason})
+                          | {"config": b.config} for b in sim.baselines}}
+    print(f"{gpus} GPUs {name}: {case['auto']['tflops_per_gpu']:.2f} TFLOP/s per GPU, planner {total:.1f} s")
+    return case
+
+
+def _stage(stage) -> dict:
+    return {"layers": f"{stage.first_layer}-{stage.last_layer}", "submesh": "x".join(map(str, stage.submesh)),
+            "logical_mesh": "x".join(map(str, stage.logical_mesh)), "recompute": stage.recompute,
+            "memory_gb": stage.memory_bytes / 1e9}
+
+
+def _prediction(plan) -> dict:
+    p = plan.prediction
+    return {"iteration_s": p.iteration_time_s, "images_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_device,
+            "mfu": p.mfu, "peak_memory_gb": p.peak_memory_bytes / 1e9}
+
+
+def markdown(cases: list[dict]) -> str:
+    rows = ["| GPUs | model | predicted TFLOP/s per GPU | images/s | micro-batches | stages: layers sub-mesh "
+            "(logical) | Alpa's stages | best baseline | planner s |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        ours = "; ".join(f"{s['layers']} {s['submesh']} ({s['logical_mesh']})" for s in c["stages"])
+        alpa = "; ".join(f"{layers} {sub} ({logical})" for layers, sub, logical in c["alpa_stages"])
+        priced = {k: v for k, v in c["baselines"].items() if "tflops_per_gpu" in v}
+        best = max(priced, key=lambda k: priced[k]["tflops_per_gpu"], default=None)
+        baseline = f"{best} {priced[best]['tflops_per_gpu']:.2f}" if best else "none fits"
+        rows.append(f"| {c['gpus']} | {c['model']} | {c['auto']['tflops_per_gpu']:.2f} | "
+                    f"{c['auto']['images_per_s']:.0f} | {c['num_microbatches']} x {c['microbatch_size']} | {ours} | "
+                    f"{alpa} | {baseline} | {c['planner_total_s']:.0f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or sorted(ALPA_CASES))
