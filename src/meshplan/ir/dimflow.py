@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import Node, OpKind
+from meshplan.ir.windows import conv_output_dim, windowed_dims
 
 # Ops whose output dim d holds operand 0's dim d (their other operands index or fill it).
 _SAME_DIMS = frozenset({OpKind.ELEMENTWISE, OpKind.SLICE, OpKind.DYNAMIC_SLICE, OpKind.CONCATENATE,
@@ -57,6 +58,13 @@ def carry_dim(graph: Graph, node: Node, position: int, dim: int) -> int | None:
         return _reshaped_dim(graph[node.operands[0]].shape, node.shape, dim)
     if kind is OpKind.DOT:
         return _dot_dim(graph, node, position, dim)
+    if kind is OpKind.CONV:
+        out = conv_output_dim(node, position, dim, graph[node.operands[1]].shape)
+        return out if isinstance(out, int) else None
+    if kind in (OpKind.REDUCE_WINDOW, OpKind.SELECT_AND_SCATTER_ADD):
+        return None if dim in windowed_dims(node) else dim
+    if kind is OpKind.REVERSE:
+        return None if dim in node.attr("dims") else dim
     if kind is OpKind.GATHER:
         return _gather_dim(graph, node, position, dim)
     if kind is OpKind.SCATTER_ADD:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from meshplan.ir.dimflow import reshape_groups
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import Node, OpKind
+from meshplan.ir.windows import SUMMED, ConvDims, conv_output_dim, windowed_dims
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,11 +215,28 @@ def _ordered(graph: Graph, node: Node, position: int, dim: int, extent: int) -> 
     return dim - (along < dim) if node.kind is OpKind.ARG_REDUCE else dim
 
 
+def _convolved(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    out = conv_output_dim(node, position, dim, graph[node.operands[1]].shape)
+    if out is None:
+        return "slides a convolution window along it" if dim in ConvDims.of(node).lhs[2:] else "groups it"
+    return _SUM if out == SUMMED else out
+
+
+def _pooled(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    return f"slides a window ({node.op}) along it" if dim in windowed_dims(node) else dim
+
+
+def _reversed(graph: Graph, node: Node, position: int, dim: int, extent: int) -> int | str:
+    return "reverses it" if dim in node.attr("dims") else dim
+
+
 # Per op kind: where a carried dim goes (kinds without a rule, opaque and random ops, mix it).
 _RULES: dict[OpKind, Callable[[Graph, Node, int, int, int], int | str]] = {
     OpKind.ELEMENTWISE: _elementwise, OpKind.TRANSPOSE: _transposed, OpKind.BROADCAST: _broadcast,
     OpKind.REDUCE: _reduced, OpKind.DOT: _dot, OpKind.RESHAPE: _reshaped, OpKind.GATHER: _gathered,
     OpKind.SCATTER_ADD: _scattered, OpKind.ARG_REDUCE: _ordered, OpKind.TOP_K: _ordered,
+    OpKind.CONV: _convolved, OpKind.REDUCE_WINDOW: _pooled, OpKind.SELECT_AND_SCATTER_ADD: _pooled,
+    OpKind.REVERSE: _reversed,
     **dict.fromkeys((OpKind.SLICE, OpKind.DYNAMIC_SLICE, OpKind.DYNAMIC_UPDATE_SLICE, OpKind.CONCATENATE,
                      OpKind.CUMULATIVE, OpKind.SORT), _same_positions),
 }

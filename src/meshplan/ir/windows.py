@@ -131,3 +131,34 @@ def kernel_padding(sizes: Sequence[int], windows: Sequence[int], strides: Sequen
                                          window_dilation, strict=True):
         pads.append((lo, dilated(m, s) - dilated(n, d) + dilated(k, r) - lo - 1))
     return tuple(pads)
+
+
+def windowed_dims(node: Node) -> set[int]:
+    """Dims a window reduction (or max pooling's gradient) slides along: window or stride above 1,
+    padding, or dilation; the other dims (batch, features) pass through position by position."""
+    window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
+    ones = (1,) * node.rank
+    base, wdil = node.attr("base_dilation", ones), node.attr("window_dilation", ones)
+    return {d for d in range(node.rank) if window[d] > 1 or strides[d] > 1 or padding[d] != (0, 0)
+            or base[d] > 1 or wdil[d] > 1}
+
+
+SUMMED = "summed"  # conv_output_dim's answer for a dim the convolution contracts
+
+
+def conv_output_dim(node: Node, position: int, dim: int, kernel_shape: Sequence[int]) -> int | str | None:
+    """Where dim `dim` of operand `position` (0 input, 1 kernel) of a convolution goes: an output
+    dim that holds it position by position, SUMMED when it is contracted, or None when the
+    convolution mixes its positions (a sliding window, groups)."""
+    dims = ConvDims.of(node)
+    role = (dims.lhs if position == 0 else dims.rhs).index(dim)
+    if position == 1:  # output features keep their positions; input features and taps are summed
+        return dims.out[1] if role == 0 else SUMMED
+    if role == 0:  # the batch, unless batch groups fold it into the features
+        return dims.out[0] if node.attr("batch_group_count") == 1 else None
+    if role == 1:  # input features, summed unless groups route them to some outputs only
+        return SUMMED if node.attr("feature_group_count") == 1 else None
+    i = role - 2
+    pointwise = (kernel_shape[dims.rhs[role]] == 1 and node.attr("window_strides")[i] == 1
+                 and node.attr("padding")[i] == (0, 0) and node.attr("lhs_dilation")[i] == 1)
+    return dims.out[role] if pointwise else None

@@ -12,7 +12,17 @@ from meshplan.ir.dimflow import trace_dims
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import Node, OpKind
 from meshplan.sharding.context import RuleConfig, RuleContext
-from meshplan.sharding.rules import dot, fallback, follow, leaves, ordering, random, windows  # noqa: F401  (register rules)
+from meshplan.sharding.rules import (  # noqa: F401  (register rules)
+    conv,
+    dot,
+    fallback,
+    follow,
+    leaves,
+    ordering,
+    pooling,
+    random,
+    windows,
+)
 from meshplan.sharding.rules.registry import rule_for
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import NodeStrategies

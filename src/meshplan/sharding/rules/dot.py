@@ -62,15 +62,21 @@ def dot_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     if not assignments:  # no split uses every axis (dims too small): allow idle axes
         assignments = list(_full_assignments(dims, ctx, require_all=False))
     strategies = [s for a in assignments for s in _strategies(node, dims, a, ctx, scatter=not alpa)]
+    return NodeStrategies(node.id, tuple(keep_forced_batch(node, strategies, ctx)))
+
+
+def keep_forced_batch(node: Node, strategies: list[Strategy], ctx: RuleContext) -> list[Strategy]:
+    """With the batch dim forced onto a mesh axis, a contraction's strategies that split its
+    batch dim over that axis (or keep it whole when the axis has one device), if there are any."""
     forced = ctx.config.force_batch_dim_to_mesh_dim
-    if forced is not None and node.id in ctx.batch_dims:
-        batch_dim = ctx.batch_dims[node.id]
-        if ctx.mesh.shape[forced] > 1:
-            kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
-        else:  # an axis of one device: the micro-batch stays whole
-            kept = [s for s in strategies if not s.output.dims[batch_dim]]
-        strategies = kept or strategies
-    return NodeStrategies(node.id, tuple(strategies))
+    if forced is None or node.id not in ctx.batch_dims:
+        return strategies
+    batch_dim = ctx.batch_dims[node.id]
+    if ctx.mesh.shape[forced] > 1:
+        kept = [s for s in strategies if forced in s.output.dims[batch_dim]]
+    else:  # an axis of one device: the micro-batch stays whole
+        kept = [s for s in strategies if not s.output.dims[batch_dim]]
+    return kept or strategies
 
 
 def _full_assignments(dims: DotDims, ctx: RuleContext, require_all: bool | None = None) -> Iterator[dict]:
@@ -116,7 +122,16 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
     local = {slot: math.ceil(dims.size(slot) / ctx.mesh.axis_size(assignment.get(slot, ()))) for slot in dims.slots()}
     compute = _compute(node, dims, local, flops, local_contract, ctx)
     partial = ctx.local_bytes(node, out)  # each device's partial result before any reduction
-    yield _strategy(node, out, (lhs, rhs), contracted, CollectiveKind.ALL_REDUCE, compute, partial, ctx)
+    for spec, reduction in reductions(node, out, contracted, ctx, scatter):
+        yield contraction_strategy(node, spec, (lhs, rhs), contracted, reduction, compute, partial, ctx)
+
+
+def reductions(node: Node, out: ShardingSpec, contracted: tuple[int, ...], ctx: RuleContext,
+               scatter: bool = True) -> Iterator[tuple[ShardingSpec, CollectiveKind]]:
+    """(output spec, reduction) choices of a contraction whose partial sums over `contracted` land
+    as `out`: all-reduced, and with `ctx.config.reduce_scatter` (and `scatter`) reduce-scattered
+    onto each output dim they fit (ZeRO-2's gradients, Megatron's sequence parallelism)."""
+    yield out, CollectiveKind.ALL_REDUCE
     if not (contracted and scatter and ctx.config.reduce_scatter
             and any(ctx.mesh.shape[a] > 1 for a in contracted)):
         return
@@ -125,9 +140,8 @@ def _strategies(node: Node, dims: DotDims, assignment: dict, ctx: RuleContext, s
         # context parallelism), onto a dim already split, further within each shard.
         if (not axes or ctx.fixed) and ctx.fits(node.shape[d], tuple(axes) + contracted):
             onto = tuple(sorted(tuple(axes) + contracted))
-            scattered = ShardingSpec(tuple(onto if i == d else a for i, a in enumerate(out.dims)))
-            yield _strategy(node, scattered, (lhs, rhs), contracted, CollectiveKind.REDUCE_SCATTER, compute, partial,
-                            ctx)
+            yield ShardingSpec(tuple(onto if i == d else a for i, a in enumerate(out.dims))), \
+                CollectiveKind.REDUCE_SCATTER
 
 
 def _compute(node: Node, dims: DotDims, local: dict, flops: float, contract: float, ctx: RuleContext) -> float:
@@ -144,8 +158,11 @@ def _compute(node: Node, dims: DotDims, local: dict, flops: float, contract: flo
     return ctx.model.contraction_cost(flops, m, n, contract, batch)
 
 
-def _strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec], contracted: tuple[int, ...],
-              reduction: CollectiveKind, compute: float, partial: float, ctx: RuleContext) -> Strategy:
+def contraction_strategy(node: Node, out: ShardingSpec, operands: tuple[ShardingSpec, ShardingSpec],
+                         contracted: tuple[int, ...], reduction: CollectiveKind, compute: float, partial: float,
+                         ctx: RuleContext) -> Strategy:
+    """A contraction's strategy: its partial sums over the `contracted` axes are all-reduced or
+    reduce-scattered (`reduction`) onto `out`; `partial` is the bytes of each device's partial result."""
     collectives = (ctx.collective(reduction, contracted, partial),) if contracted else ()
     memory = ctx.held_bytes(node, out)
     if reduction is CollectiveKind.REDUCE_SCATTER and node.attr("accumulated"):
