@@ -1,5 +1,7 @@
 """Wide-ResNet builders (Alpa's presets), their counts, and planning them through `simulate`."""
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -7,13 +9,17 @@ from meshplan.cli import app
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.devices import get_device
 from meshplan.errors import ModelSpecError
+from meshplan.inter import LayerCosts, plan_pipeline
 from meshplan.ir import DType, OpKind
 from meshplan.ir.counting import node_flops
 from meshplan.models.registry import simulation_model
 from meshplan.models.resnet import WRESNET_PRESETS, ResNetConfig, resnet_forward
 from meshplan.models.training import training_pieces
-from meshplan.simulator import PlannerOptions, TrainingJob, simulate
-from meshplan.simulator.pricing import handoff_bytes
+from meshplan.models.unet import UNetConfig, unet_forward
+from meshplan.plan import Plan
+from meshplan.simulator import PlannerOptions, TrainingJob
+from meshplan.simulator.planner import inter_options
+from meshplan.simulator.pricing import PricingTask, ViewKey, handoff_bytes, planner_views, price_task
 
 # Alpa's benchmark/alpa/suite_wresnet.py, `wresnet_specs`: (layers, base channels, width factor).
 ALPA_SPECS = {"250m": (50, 160, 2), "500m": (50, 224, 2), "1b": (50, 320, 2), "2b": (50, 448, 2),
@@ -79,31 +85,35 @@ def test_image_jobs_take_no_sequence_length():
         simulation_model("wresnet-3b")
 
 
-TINY = ResNetConfig("tiny-wresnet", 50, 8, 2, image_size=32, num_classes=16)
-
-
 @pytest.fixture(scope="module")
-def tiny_simulation():
-    cluster = Cluster(1, 4, get_device("v100-16gb"))
-    job = TrainingJob(TINY, 64, 1, DType.F32, "momentum")
-    options = PlannerOptions(workers=1, microbatch_sizes=(16,), chunks=(1,))
-    return simulate(job, cluster, options)
+def small_plan(tmp_path_factory):
+    """wresnet-250m on two V100s, planned by `meshplan simulate` (one micro-batch size, 1F1B)."""
+    out = tmp_path_factory.mktemp("wresnet") / "plan.json"
+    result = CliRunner().invoke(app, ["simulate", "--model", "wresnet-250m", "--cluster", "1x2", "--device",
+                                      "v100-16gb", "--global-batch", "64", "--microbatch-sizes", "16", "--chunks", "1",
+                                      "--workers", "1", "--executor", "inprocess", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return Plan.from_dict(json.loads(out.read_text())), result.output
 
 
-def test_a_small_wresnet_plans_end_to_end(tiny_simulation):
-    plan = tiny_simulation.plan
-    assert plan.sample_unit == "images" and plan.seq_len == 0
-    assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == TINY.layers - 1
-    assert sum(len(s.devices) for s in plan.stages) == 4
-    # fp32 on V100: MFU against the 15.7 TFLOP/s fp32 peak, model FLOPs 3x the forward's
+def test_a_small_wresnet_plans_end_to_end_through_the_cli(small_plan):
+    plan, printed = small_plan
+    cfg = WRESNET_PRESETS["wresnet-250m"]
+    assert "global batch 64 images" in printed and "images/s" in printed and "tokens" not in printed
+    assert plan.sample_unit == "images" and plan.seq_len == 0 and plan.option("dtype") == "f32"
+    assert plan.option("optimizer") == "momentum"
+    assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == cfg.layers - 1
+    assert sum(len(s.devices) for s in plan.stages) == 2
+    # fp32 on V100: MFU against the 15.7 TFLOP/s fp32 peak; model FLOPs three times the forward's
     p = plan.prediction
     assert p.mfu == pytest.approx(p.tflops_per_device / 15.7, rel=1e-9)
-    assert p.tflops_per_device * 1e12 * 4 * p.iteration_time_s == pytest.approx(3 * TINY.forward_flops() * 64)
+    assert p.tflops_per_device * 1e12 * 2 * p.iteration_time_s == pytest.approx(3 * cfg.forward_flops() * 64)
     names = {b.name: b for b in plan.baselines}
     assert names["megatron"].prediction is None and "convolution" in names["megatron"].reason
+    assert "megatron does not apply" in printed
     assert {"pp-dp", "data-parallel", "zero-2"} <= set(names)
     pieces = [piece.name for stage in plan.stages for piece in stage.pieces]
-    assert pieces[0] == "stem" and pieces[-1] == "head"
+    assert pieces[0] == "stem" and pieces[-1] == "head" and "block1" in pieces
 
 
 def test_cli_refuses_transformer_options_for_image_models():
@@ -115,3 +125,58 @@ def test_cli_refuses_transformer_options_for_image_models():
                                          "v100-16gb", "--global-batch", "64", *extra])
         assert result.exit_code != 0
         assert message in result.output and "Traceback" not in result.output
+
+
+def test_early_and_late_blocks_want_different_meshes_and_the_stage_dp_gives_them_both():
+    """Wide-ResNet's early blocks hold large activations and few weights, its late blocks the
+    reverse: on a (1, 4) sub-mesh the early ones run faster data-parallel (4, 1), the late ones
+    faster model-parallel (1, 4) with a third of the memory. With Alpa's logical views of a
+    sub-mesh inside a node (its `single_node_model_parallel` space: (4, 1) and (1, 4)), the stage
+    DP on 8 V100s cuts wresnet-2b exactly as Alpa's search did (suite_wresnet.py,
+    perf_test_auto_suite[8]): blocks 0-7 data-parallel, 8-15 model-parallel."""
+    cfg = WRESNET_PRESETS["wresnet-2b"]
+    job = TrainingJob(cfg, 1536, 1, DType.F32, "momentum")
+    cluster = job.on(Cluster(1, 8, get_device("v100-16gb")))
+    options, b = PlannerOptions(workers=1), 32
+    views = {}
+    for index, view in enumerate(planner_views(cluster, (1, 4))):
+        if view.shape in ((4, 1), (1, 4)):
+            task = PricingTask(ViewKey("view", b, (1, 4), index), job, cluster, 1536 // b, options, lean=False)
+            views[view.shape] = price_task(task).costs
+    data, model = views[(4, 1)].layers, views[(1, 4)].layers
+    assert data[0][0].time < model[0][0].time and data[1][0].time < model[1][0].time
+    assert model[-1][0].time < data[-1][0].time and model[-1][0].static_bytes < data[-1][0].static_bytes / 2
+    plan = plan_pipeline(LayerCosts(tuple(views.values()), handoff_bytes(job, b)), cluster, 1536 // b,
+                         inter_options(cluster, options))
+    assert [(s.first, s.last, s.submesh, s.view) for s in plan.stages] == [(0, 7, (1, 4), (4, 1)),
+                                                                           (8, 15, (1, 4), (1, 4))]
+
+
+SMALL_UNET = UNetConfig("small-unet", 3, 8, 64)
+
+
+def test_unet_counts_skips_and_pieces():
+    graph = unet_forward(SMALL_UNET, batch=2)
+    contractions = sum(node_flops(graph, n) for n in graph.nodes if n.kind in (OpKind.CONV, OpKind.DOT))
+    assert contractions == 2 * SMALL_UNET.forward_flops()
+    assert sum(n.size for n in graph.parameters() if n.name not in ("images", "targets")) == SMALL_UNET.num_params()
+    assert [SMALL_UNET.kind_name(i) for i in range(SMALL_UNET.layers)] == \
+        ["down0", "down1", "down2", "bottleneck", "up2", "up1", "up0"]
+    level = [64 * 64 * 8, 32 * 32 * 16, 16 * 16 * 32, 8 * 8 * 64]  # values per image at levels 0-3
+    # after down1: its output (skip 1) and skip 0; after the bottleneck: skips 0-2 wait for their up blocks
+    assert SMALL_UNET.boundary_elements(1) == (level[0], level[1] + level[0], level[2] + level[1] + level[0],
+                                               level[3] + level[2] + level[1] + level[0],
+                                               level[2] + level[1] + level[0], level[1] + level[0])
+    blocks, _, _ = training_pieces(SMALL_UNET, 4, 1, DType.F32, "momentum")
+    up = blocks[4].graph
+    assert [n.name for n in up.parameters()][:2] == ["activations", "skip"]
+    assert len(up.outputs) > 2  # both inputs' gradients go back to their stages, then the new weights
+
+
+def test_a_unet_view_prices_every_block():
+    job = TrainingJob(SMALL_UNET, 32, 1, DType.F32, "momentum")
+    cluster = job.on(Cluster(1, 2, get_device("v100-16gb")))
+    index = next(i for i, v in enumerate(planner_views(cluster, (1, 2))) if v.shape == (2, 1))
+    costs = price_task(PricingTask(ViewKey("view", 8, (1, 2), index), job, cluster, 4, PlannerOptions(workers=1),
+                                   lean=False)).costs
+    assert len(costs.layers) == SMALL_UNET.layers and all(menu[0].time > 0 for menu in costs.layers)

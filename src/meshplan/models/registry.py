@@ -11,6 +11,9 @@ from meshplan.models.llama import LLAMA_PRESETS, llama_forward
 from meshplan.models.resnet import WRESNET_PRESETS
 from meshplan.models.training import ModelConfig
 from meshplan.models.transformer import PRESETS, model_config
+from meshplan.models.unet import UNET_PRESETS
+
+IMAGE_PRESETS: dict[str, ModelConfig] = {**WRESNET_PRESETS, **UNET_PRESETS}
 
 
 def model_names() -> tuple[str, ...]:
@@ -18,18 +21,18 @@ def model_names() -> tuple[str, ...]:
 
 
 def simulation_model(name: str) -> ModelConfig:
-    """A model the simulator plans: a transformer or ResNet preset by name, or a Hugging Face
-    `config.json` path.
+    """A model the simulator plans: a transformer, ResNet or U-Net preset by name, or a Hugging
+    Face `config.json` path.
 
     Raises:
         ModelSpecError: unknown name (listing the presets and the closest one), or a bad config.
     """
     key = name.lower()
-    if key in WRESNET_PRESETS:
-        return WRESNET_PRESETS[key]
+    if key in IMAGE_PRESETS:
+        return IMAGE_PRESETS[key]
     if key in PRESETS or name.endswith(".json") or Path(name).is_file():
         return model_config(name)
-    known = sorted([*PRESETS, *WRESNET_PRESETS])
+    known = sorted([*PRESETS, *IMAGE_PRESETS])
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ModelSpecError(f"unknown model {name!r}; known models: {', '.join(known)}, or a path to a Hugging Face "

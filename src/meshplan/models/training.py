@@ -20,8 +20,9 @@ from meshplan.models.blocks import ACTIVATION_DIMS, block, embedding, lm_head_lo
 from meshplan.models.optimizers import append_adam, append_momentum, append_sgd
 from meshplan.models.resnet import IMAGE_DIMS, ResNetConfig, bottleneck, classifier_loss, stem
 from meshplan.models.transformer import TransformerConfig
+from meshplan.models.unet import UNetConfig, down_block, unet_head_loss, unet_stem, up_block
 
-ModelConfig = TransformerConfig | ResNetConfig
+ModelConfig = TransformerConfig | ResNetConfig | UNetConfig
 
 _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
 
@@ -52,6 +53,10 @@ def training_pieces(model: ModelConfig, micro_batch: int, seq: int, dtype: DType
     kinds = {}
     for i in range(model.layers):
         kinds.setdefault(model.layer_kind(i), i)
+    if isinstance(model, UNetConfig):
+        blocks = {kind: unet_block_training_graph(model, i, micro_batch, dtype, optimizer) for kind, i in kinds.items()}
+        return (blocks, unet_stem_training_graph(model, micro_batch, dtype, optimizer),
+                unet_head_training_graph(model, micro_batch, dtype, optimizer))
     if isinstance(model, ResNetConfig):
         blocks = {kind: resnet_block_training_graph(model, i, micro_batch, dtype, optimizer)
                   for kind, i in kinds.items()}
@@ -128,6 +133,50 @@ def classifier_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType 
     labels = _batch_input(b, weight(b, (micro_batch,), DType.I32, "labels", ("batch",)))
     first_weight = len(b)
     loss = classifier_loss(b, x, cfg, labels)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _finish(b, loss, [x], weights, optimizer)
+
+
+def unet_block_training_graph(cfg: UNetConfig, index: int, micro_batch: int, dtype: DType = DType.F32,
+                              optimizer: str = "momentum") -> PieceGraph:
+    """Forward and backward of U-Net block `index`; an up block also takes its skip input."""
+    role, level = cfg.block(index)
+    b = GraphBuilder(f"{cfg.name}.{cfg.kind_name(index)}")
+    source = index - 1 if index else None  # the stem feeds down block 0 at level 0's size
+    side, channels = cfg.level(cfg.block(source)[1] if source is not None else 0)
+    x = _batch_input(b, weight(b, (micro_batch, side, side, channels), dtype, "activations", IMAGE_DIMS))
+    inputs = [x]
+    if role == "up":
+        skip_side, skip_channels = cfg.level(level)
+        inputs.append(_batch_input(b, weight(b, (micro_batch, skip_side, skip_side, skip_channels), dtype,
+                                             "skip", IMAGE_DIMS)))
+    first_weight = len(b)
+    with b.layer(index):
+        name = cfg.kind_name(index)
+        out = up_block(b, x, inputs[1], cfg, level, name) if role == "up" else down_block(b, x, cfg, level, name)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _with_backward(b, out, inputs, weights, optimizer)
+
+
+def unet_stem_training_graph(cfg: UNetConfig, micro_batch: int, dtype: DType = DType.F32,
+                             optimizer: str = "momentum") -> PieceGraph:
+    b = GraphBuilder(f"{cfg.name}.stem")
+    images = _batch_input(b, weight(b, (micro_batch, cfg.image_size, cfg.image_size, cfg.in_channels), dtype,
+                                    "images", IMAGE_DIMS))
+    first_weight = len(b)
+    out = unet_stem(b, images, cfg)
+    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    return _with_backward(b, out, [], weights, optimizer)
+
+
+def unet_head_training_graph(cfg: UNetConfig, micro_batch: int, dtype: DType = DType.F32,
+                             optimizer: str = "momentum") -> PieceGraph:
+    b = GraphBuilder(f"{cfg.name}.head")
+    shape = (micro_batch, cfg.image_size, cfg.image_size)
+    x = _batch_input(b, weight(b, (*shape, cfg.channels), dtype, "activations", IMAGE_DIMS))
+    targets = _batch_input(b, weight(b, (*shape, cfg.out_channels), dtype, "targets", IMAGE_DIMS))
+    first_weight = len(b)
+    loss = unet_head_loss(b, x, cfg, targets)
     weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
     return _finish(b, loss, [x], weights, optimizer)
 

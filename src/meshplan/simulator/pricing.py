@@ -42,7 +42,8 @@ LEAN_PRICES = MEMORY_PRICES[:2]  # the menu the simulator's views are priced wit
 # one that holds less (100 GB weigh 1 ms), so unpriced choices never replicate big tensors.
 ACTIVATION_PRICE = 1e-14
 _PASS_THROUGH = (OpKind.TRANSPOSE, OpKind.RESHAPE, OpKind.BROADCAST)
-_PER_MICROBATCH_INPUTS = ("activations", "cotangent", "tokens", "images", "labels")
+_PER_MICROBATCH_INPUTS = ("activations", "skip", "cotangent", "tokens", "images", "labels", "targets")
+_ACTIVATION_INPUTS = ("activations", "skip")  # a U-Net's up block also takes its skip connection
 
 Progress = Callable[[str, int, int], None]
 # Part of every task's cache key: raise it when pricing changes what a task returns.
@@ -76,7 +77,7 @@ def training_parts(piece: PieceGraph, pricing: PiecePricing = PiecePricing()) ->
     graph = piece.graph
     inputs = tuple(n.id for n in graph.parameters() if n.name in _PER_MICROBATCH_INPUTS)
     held = tuple(v for v in range(len(graph)) if graph[v].attr("accumulated") and graph[v].kind not in _PASS_THROUGH)
-    activations = tuple(v for v in inputs if graph[v].name == "activations")
+    activations = tuple(v for v in inputs if graph[v].name in _ACTIVATION_INPUTS)
     parts = TrainingParts(piece.forward_end, piece.backward_end, piece.weights, inputs, activations, held)
     if pricing.kernels is None:
         return parts
