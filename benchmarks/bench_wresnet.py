@@ -1,23 +1,27 @@
 """Plan Alpa's Wide-ResNet weak-scaling cases (OSDI'22 Fig. 7c; benchmark/alpa/suite_wresnet.py:
-wresnet-250m on 1 V100 up to wresnet-13b on 64, 16 GB V100s, 8 per node as AWS p3.16xlarge,
-fp32, SGD with Nesterov momentum, global batch 1536 (1520 on 64 GPUs)); record the predicted
-TFLOP/s per GPU, the chosen stages and meshes, the baselines and the planner's seconds.
-Writes benchmarks/results/wresnet.json and prints the Markdown table of docs/wresnet.md.
+wresnet-250m on 1 V100 up to wresnet-13b on 64, 16 GB V100s, 8 per node as AWS p3.16xlarge
+(25 Gb/s between nodes, Alpa §8), fp32, SGD with Nesterov momentum, global batch 1536 (1520 on
+64 GPUs)); record the predicted TFLOP/s per GPU, the chosen stages and meshes, the baselines and
+the planner's seconds.
+Writes benchmarks/results/wresnet.json (cases given on the command line replace those of the same
+GPU count) and prints the Markdown table of docs/wresnet.md.
 Run: python benchmarks/bench_wresnet.py [GPUS ...]   (default: 1 2 4 8 16 32 64)
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
 import warnings
 
 from meshplan.cluster import Cluster, get_device
+from meshplan.cluster.devices import GBIT_PER_S, device_from_overrides
 from meshplan.models.resnet import WRESNET_PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
 
-from common import save
+from common import RESULTS, save
 
 # GPUs -> (model, global batch, Alpa's chosen stages as (layers, sub-mesh, logical mesh)) from
 # suite_wresnet.py's perf_test_auto_suite (the solutions Alpa's search found on p3.16xlarge).
@@ -35,17 +39,29 @@ ALPA_CASES = {
 }
 
 
+# AWS p3.16xlarge: 8 V100-16GB on NVLink, 25 Gb/s to other nodes (Alpa's testbed, OSDI'22 §8),
+# i.e. a 1/8 share per GPU.
+P3_16XLARGE = device_from_overrides(get_device("v100-16gb"), name="v100-16gb-p3.16xlarge",
+                                    inter_bandwidth=25 / 8 * GBIT_PER_S)
+
+
 def cluster_of(gpus: int) -> Cluster:
     """Alpa's p3.16xlarge nodes: up to 8 V100-16GB each."""
-    device = get_device("v100-16gb")
-    return Cluster(1, gpus, device) if gpus <= 8 else Cluster(gpus // 8, 8, device)
+    return Cluster(1, gpus, P3_16XLARGE) if gpus <= 8 else Cluster(gpus // 8, 8, P3_16XLARGE)
 
 
 def main(gpu_counts: list[int]) -> None:
     warnings.simplefilter("ignore")
-    cases = [_case(gpus) for gpus in gpu_counts]
-    print("wrote", save("wresnet", cases))
-    print(markdown(cases))
+    cases = {c["gpus"]: c for c in _saved_cases()}
+    cases.update({gpus: _case(gpus) for gpus in gpu_counts})
+    ordered = [cases[g] for g in sorted(cases)]
+    print("wrote", save("wresnet", ordered))
+    print(markdown(ordered))
+
+
+def _saved_cases() -> list[dict]:
+    path = RESULTS / "wresnet.json"
+    return json.loads(path.read_text())["cases"] if path.exists() else []
 
 
 def _case(gpus: int) -> dict:

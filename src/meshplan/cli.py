@@ -26,6 +26,7 @@ from meshplan.sharding.strategy import StrategySpace
 
 if TYPE_CHECKING:
     from meshplan.cluster.cluster import Cluster
+    from meshplan.models.training import ModelConfig
     from meshplan.plan import Plan
     from meshplan.simulator import TrainingJob
 
@@ -224,10 +225,10 @@ def simulate(
     efficiency: Annotated[float, typer.Option(help="Fraction of peak FLOP/s non-GEMM kernels sustain.")] = 0.5,
     gemm_curve: Annotated[bool, typer.Option(help="Price GEMMs from their (m, n, k), not at --efficiency.")] = True,
     dtype: Annotated[str, typer.Option(help="Weight/activation type: bf16, f16 (fp32 master copy) or f32 "
-                                            "[default: bf16; f32 for ResNets, as Alpa ran them]",
+                                            "[default: bf16; f32 for image models, as Alpa ran them]",
                                        show_default=False)] = "",
     optimizer: Annotated[str, typer.Option(help="adam (mixed precision), momentum (SGD, Nesterov) or sgd "
-                                                "[default: adam; momentum for ResNets]", show_default=False)] = "",
+                                                "[default: adam; momentum for image models]", show_default=False)] = "",
     workers: Annotated[int, typer.Option(help="Processes pricing candidates in parallel.")] = 2,
     executor: Annotated[str, typer.Option(help="Where pricing tasks run: auto, inprocess, pool or ray.")] = "auto",
     ray_address: Annotated[str, typer.Option(help="With --executor ray: local (start one here), auto or "
@@ -268,11 +269,11 @@ def simulate(
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
                              microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
                              chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
-    spec_of_model = simulation_model(model)
-    _check_image_options(spec_of_model, seq_len, layout, pricer)
-    job = TrainingJob(spec_of_model, global_batch, seq_len or (4096 if spec_of_model.sample_unit == "tokens" else 1),
-                      as_dtype(dtype) if dtype else spec_of_model.default_dtype,
-                      optimizer or spec_of_model.default_optimizer)
+    model_spec = simulation_model(model)
+    _check_image_options(model_spec, seq_len, layout, pricer)
+    job = TrainingJob(model_spec, global_batch, seq_len or (4096 if model_spec.sample_unit == "tokens" else 1),
+                      as_dtype(dtype) if dtype else model_spec.default_dtype,
+                      optimizer or model_spec.default_optimizer)
     if layout:
         from meshplan.report.simulation_text import print_layout
 
@@ -378,7 +379,7 @@ def diff(
 PRICERS = ("formula", "graph")
 
 
-def _check_image_options(spec: Any, seq_len: int | None, layout: str, pricer: str) -> None:
+def _check_image_options(spec: ModelConfig, seq_len: int | None, layout: str, pricer: str) -> None:
     """Options that describe transformers only, refused for image models with what to do instead."""
     if spec.closed_form:
         return
