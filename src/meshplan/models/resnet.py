@@ -19,7 +19,8 @@ import difflib
 from dataclasses import dataclass
 
 from meshplan.errors import ModelSpecError
-from meshplan.ir import DType, GraphBuilder
+from meshplan.ir import DType, Graph, GraphBuilder
+from meshplan.models.blocks import weight
 
 # Blocks per stage (He et al. 2016, Table 1).
 STAGE_SIZES = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
@@ -197,17 +198,11 @@ def resnet_config(name: str) -> ResNetConfig:
 
 # -- forward graphs ---------------------------------------------------------------------------
 
-def _weight(b: GraphBuilder, shape: tuple[int, ...], dtype: DType, name: str, dims: tuple[str, ...]) -> int:
-    node = b.parameter(shape, dtype, name=name)
-    b.tag(node, dims=dims)
-    return node
-
-
 def conv(b: GraphBuilder, x: int, kernel: int, out_channels: int, stride: int, name: str,
          padding: str | tuple[tuple[int, int], ...] = "SAME") -> int:
     """A bias-free NHWC convolution with its HWIO kernel parameter `<name>.kernel`."""
     in_channels, dtype = b.shape(x)[3], b.node(x).dtype
-    w = _weight(b, (kernel, kernel, in_channels, out_channels), dtype, f"{name}.kernel",
+    w = weight(b, (kernel, kernel, in_channels, out_channels), dtype, f"{name}.kernel",
                 ("kernel_h", "kernel_w", "in_channels", "channels"))
     return b.conv(x, w, (stride, stride), padding, dimension_numbers=_CONV_LAYOUT, name=name)
 
@@ -225,8 +220,8 @@ def batch_norm(b: GraphBuilder, x: int, name: str) -> int:
     centred = b.sub(x, spread(mean))
     variance = b.mul(b.reduce(b.mul(centred, centred), (0, 1, 2)), per_channel(1 / count))
     inverse = b.rsqrt(b.add(variance, per_channel(_BN_EPSILON)))
-    scale = _weight(b, (channels,), dtype, f"{name}.scale", ("channels",))
-    bias = _weight(b, (channels,), dtype, f"{name}.bias", ("channels",))
+    scale = weight(b, (channels,), dtype, f"{name}.scale", ("channels",))
+    bias = weight(b, (channels,), dtype, f"{name}.bias", ("channels",))
     return b.add(b.mul(centred, spread(b.mul(inverse, scale))), spread(bias), name=name)
 
 
@@ -258,8 +253,8 @@ def classifier_loss(b: GraphBuilder, x: int, cfg: ResNetConfig, labels: int) -> 
     batch, height, width, channels = b.shape(x)
     dtype = b.node(x).dtype
     pooled = b.mul(b.reduce(x, (1, 2)), b.full((batch, channels), 1 / (height * width), dtype), name="pool")
-    w = _weight(b, (channels, cfg.num_classes), dtype, "head.kernel", ("channels", "classes"))
-    bias = _weight(b, (cfg.num_classes,), dtype, "head.bias", ("classes",))
+    w = weight(b, (channels, cfg.num_classes), dtype, "head.kernel", ("channels", "classes"))
+    bias = weight(b, (cfg.num_classes,), dtype, "head.bias", ("classes",))
     shape = (batch, cfg.num_classes)
     logits = b.add(b.dot(pooled, w, (1,), (0,), name="logits"), b.broadcast(bias, shape, (1,)))
     peak = b.unary("floor", b.reduce(logits, (1,), "max"))  # a constant shift: no gradient flows
@@ -270,14 +265,14 @@ def classifier_loss(b: GraphBuilder, x: int, cfg: ResNetConfig, labels: int) -> 
     return b.reduce(b.sub(lse, picked), (0,), name="loss")
 
 
-def resnet_forward(cfg: ResNetConfig, batch: int, dtype: DType = DType.F32):
+def resnet_forward(cfg: ResNetConfig, batch: int, dtype: DType = DType.F32) -> Graph:
     """The whole forward pass and loss on `batch` images (for counting and tests)."""
     b = GraphBuilder(cfg.name)
-    images = _weight(b, (batch, cfg.image_size, cfg.image_size, 3), dtype, "images", IMAGE_DIMS)
+    images = weight(b, (batch, cfg.image_size, cfg.image_size, 3), dtype, "images", IMAGE_DIMS)
     x = stem(b, images, cfg)
     for i, block in enumerate(cfg.blocks()):
         with b.layer(i):
             x = bottleneck(b, x, block, f"block{i}")
-    labels = _weight(b, (batch,), DType.I32, "labels", ("batch",))
+    labels = weight(b, (batch,), DType.I32, "labels", ("batch",))
     b.outputs(classifier_loss(b, x, cfg, labels))
     return b.build()

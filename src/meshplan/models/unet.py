@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import ModelSpecError
-from meshplan.ir import DType, GraphBuilder
+from meshplan.ir import DType, Graph, GraphBuilder
+from meshplan.models.blocks import weight
 from meshplan.models.resnet import IMAGE_DIMS, batch_norm, conv, relu
 
 
@@ -155,8 +156,8 @@ def down_block(b: GraphBuilder, x: int, cfg: UNetConfig, level: int, prefix: str
 def up_block(b: GraphBuilder, x: int, skip: int, cfg: UNetConfig, level: int, prefix: str) -> int:
     batch, side, _, in_channels = b.shape(x)
     channels, dtype = cfg.level(level)[1], b.node(x).dtype
-    kernel = b.parameter((in_channels, 2, 2, channels), dtype, name=f"{prefix}.up.kernel")
-    b.tag(kernel, dims=("in_channels", "kernel_h", "kernel_w", "channels"))
+    kernel = weight(b, (in_channels, 2, 2, channels), dtype, f"{prefix}.up.kernel",
+                    ("in_channels", "kernel_h", "kernel_w", "channels"))
     taps = b.dot(x, kernel, (3,), (0,), name=f"{prefix}.up")  # [b, h, w, 2, 2, c]
     up = b.reshape(b.transpose(taps, (0, 1, 3, 2, 4, 5)), (batch, 2 * side, 2 * side, channels))
     bias = b.parameter((channels,), dtype, name=f"{prefix}.up.bias")
@@ -171,11 +172,10 @@ def unet_head_loss(b: GraphBuilder, x: int, cfg: UNetConfig, targets: int) -> in
     return b.reduce(b.mul(error, error), (0, 1, 2, 3), name="loss")
 
 
-def unet_forward(cfg: UNetConfig, batch: int, dtype: DType = DType.F32):
+def unet_forward(cfg: UNetConfig, batch: int, dtype: DType = DType.F32) -> Graph:
     """The whole forward pass and loss on `batch` images (for counting and tests)."""
     b = GraphBuilder(cfg.name)
-    images = b.parameter((batch, cfg.image_size, cfg.image_size, cfg.in_channels), dtype, name="images")
-    b.tag(images, dims=IMAGE_DIMS)
+    images = weight(b, (batch, cfg.image_size, cfg.image_size, cfg.in_channels), dtype, "images", IMAGE_DIMS)
     x, skips = unet_stem(b, images, cfg), {}
     for i in range(cfg.layers):
         role, level = cfg.block(i)
