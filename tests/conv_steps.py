@@ -109,12 +109,32 @@ def image_batch(shape: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
             "label": rng.integers(0, NUM_CLASSES, size=BATCH).astype(np.int32)}
 
 
+def numpy_init(model: nn.Module, images: np.ndarray, seed: int, **kwargs) -> dict[str, Any]:
+    """The model's variables with NumPy random values (compiling Flax's initializers for a ResNet
+    takes ~40 s on a loaded 2-core machine; the test needs random weights, not those): kernels
+    N(0, 1/fan_in), biases and BatchNorm offsets N(0, 0.1), scales 1 + N(0, 0.1); running
+    statistics as Flax starts them (means 0, variances 1)."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(functools.partial(model.init, **kwargs), jax.random.PRNGKey(0), images)
+
+    def value(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "batch_stats" in name:
+            return np.full(leaf.shape, 1.0 if "var" in name else 0.0, np.float32)
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        if name.endswith("['kernel']"):
+            return noise / np.sqrt(np.prod(leaf.shape[:-1]))
+        return 0.1 * noise + (1.0 if name.endswith("['scale']") else 0.0)
+
+    return jax.tree_util.tree_map_with_path(value, shapes)
+
+
 def resnet_program(stage_sizes=(1, 1), num_filters=4, image=16):
     """A ResNet-18-style model (basic blocks) with `stage_sizes` blocks of `num_filters`·2^i channels."""
     model = ResNet(stage_sizes=stage_sizes, block_cls=ResNetBlock, num_classes=NUM_CLASSES,
                    num_filters=num_filters)
     batch = image_batch((image, image, 3), seed=3)
-    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.PRNGKey(0), batch["image"])
+    variables = numpy_init(model, batch["image"], seed=0, train=False)
     learning_rate_fn = optax.cosine_decay_schedule(0.1, decay_steps=10)
     tx = optax.sgd(learning_rate=learning_rate_fn, momentum=0.9, nesterov=True)
     state = ResNetTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
@@ -166,6 +186,6 @@ def mnist_train_step(state, batch):
 def mnist_program(features=(4, 8, 16), image=16):
     model = CNN(features=features)
     batch = image_batch((image, image, 1), seed=4)
-    params = jax.jit(model.init)(jax.random.PRNGKey(1), batch["image"])["params"]
+    params = numpy_init(model, batch["image"], seed=1)["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1, 0.9))
     return mnist_train_step, state, (), batch

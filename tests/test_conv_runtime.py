@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import conv_steps
-from method_runs import SLOW
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
+from method_runs import SLOW
 
 STEPS = 3
 METHODS = {"dp": lambda name: DataParallel(), "zero3": lambda name: Zero3Parallel(),
