@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conv_steps import numpy_init
 from meshplan.capture import capture
 from meshplan.ir import OpKind
 from meshplan.ir.interpret import evaluate
@@ -29,7 +30,7 @@ class TinyCNN(nn.Module):
 def test_flax_cnn_gradient_step_captures_whole_and_runs_like_jax():
     model = TinyCNN()
     x = np.random.default_rng(1).standard_normal((2, 16, 16, 3)).astype(np.float32)
-    variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # one compile, not one per op
+    variables = numpy_init(model, x, seed=0)
 
     def grads(params, batch_stats, images):
         def loss(p):
