@@ -70,8 +70,8 @@ def conv_dims(spec: Sequence | None, rank: int) -> ConvDims:
 def window_padding(padding: str | Sequence[Sequence[int]] | None, sizes: Sequence[int], windows: Sequence[int],
                    strides: Sequence[int]) -> Padding:
     """(lo, hi) per dim from explicit pairs, None (no padding) or "VALID"/"SAME" (output size
-    ceil(n / s), the padding split with the smaller half before, as XLA does). `windows` are the
-    dilated window sizes."""
+    ceil(n / s), the padding split with the smaller half before), as `jax.lax` computes them:
+    from the operand's undilated `sizes` and the dilated `windows`."""
     if padding is None or padding == "VALID":
         return tuple((0, 0) for _ in sizes)
     if padding == "SAME":
