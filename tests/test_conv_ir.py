@@ -24,6 +24,8 @@ CONVS = {
     "feature_groups": ((2, 8, 7, 7), (8, 2, 3, 3), None, {"feature_group_count": 4, "padding": "SAME"}),
     "batch_groups": ((4, 3, 7, 7), (6, 3, 3, 3), None, {"batch_group_count": 2}),
     "conv1d_nwc": ((2, 9, 4), (3, 4, 2), ("NWC", "WIO", "NWC"), {"window_strides": (2,)}),
+    "same_rhs_dilated": ((1, 2, 5, 6), (3, 2, 3, 2), None, {"window_strides": (2, 1), "padding": "SAME",
+                                                            "rhs_dilation": (1, 2)}),
     "conv3d": ((1, 2, 5, 4, 4), (3, 2, 3, 2, 2), None, {"padding": "SAME", "window_strides": (1, 2, 1)}),
 }
 
@@ -70,6 +72,7 @@ POOLS = {
     "max_same": ("max", (1, 3, 3, 1), (1, 2, 2, 1), "SAME", None),
     "min_valid": ("min", (1, 2, 3, 1), (1, 1, 2, 1), "VALID", None),
     "sum_stride": ("sum", (1, 2, 2, 1), (1, 2, 2, 1), "VALID", None),
+    "sum_same_dilated": ("sum", (1, 3, 2, 1), (1, 2, 2, 1), "SAME", (1, 2, 1, 1)),
     "sum_padded_dilated": ("sum", (1, 3, 2, 1), (1, 2, 1, 1), ((0, 0), (1, 2), (0, 1), (0, 0)), (1, 1, 2, 1)),
 }
 
@@ -121,5 +124,7 @@ def test_conv_errors_name_the_rule():
         b.conv(x, w)
     with pytest.raises(GraphError, match="must name each of the 4 dims once"):
         b.conv(x, w, dimension_numbers=((0, 1, 2, 2), (0, 1, 2, 3), (0, 1, 2, 3)))
+    with pytest.raises(GraphError, match="undefined with lhs_dilation"):
+        b.conv(x, b.parameter((6, 8, 3, 3)), padding="SAME", lhs_dilation=(2, 2))
     with pytest.raises(GraphError, match="unknown op"):
         b.reduce_window(x, "mean", (1, 1, 2, 2))

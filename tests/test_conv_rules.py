@@ -104,3 +104,23 @@ def test_ilp_equals_brute_force_on_conv_graphs(graph_name, shape, reduce_scatter
         expected = brute_force(sg, budget)
         plan = solve_intra(graph, mesh, options.replace(memory_budget=budget))
         assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-9)
+
+
+def test_conv_gradient_graph_plans_in_seconds_with_kernel_models_and_a_forced_batch_axis():
+    """The simulator's setting: GEMM-curve kernel models, fusion, the batch forced onto axis 0
+    (traced from x's dim 0 through the convolutions and pooling): every forward conv splits the
+    batch over axis 0, and the kernels' gradients all-reduce over it."""
+    from meshplan.cluster.devices import DEVICES
+    from meshplan.cost.kernels import KernelCosts
+    from meshplan.simulator.pricing import PiecePricing, piece_options
+
+    graph = _conv_net(True)
+    pricing = PiecePricing(KernelCosts(DEVICES["v100-16gb"]))
+    options = piece_options(1e12, 4, 0.0, 30.0, 0, False, pricing)
+    plan = solve_intra(graph, LogicalMesh((2, 2), (1e-5, 1e-5), (1e-9, 1e-10)), options)
+    convs = {n.name: n for n in plan.nodes if n.op == "conv"}
+    for name in ("grad.w1", "grad.w2"):
+        (collective,) = convs.pop(name).collectives
+        assert collective.kind is CollectiveKind.ALL_REDUCE and collective.axes == (0,)
+    assert len(convs) == 3 and all(n.output.dims[0] == (0,) for n in convs.values())
+    assert plan.objective > 0

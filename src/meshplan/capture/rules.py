@@ -20,8 +20,9 @@ from meshplan.ir.builder import BINARY_OPS, COMPARE_DIRECTIONS, UNARY_OPS
 Rule = Callable[[GraphBuilder, Step, list[int]], list[int]]
 RULES: dict[str, Rule] = {}
 # Primitives that only change what autodiff or the pipeline cutter sees (mark_pipeline_boundary's
-# "pipeline_boundary" is an identity): the output is the input's node.
-PASS_THROUGH = frozenset({"stop_gradient", "copy", "copy_p", "optimization_barrier", "pipeline_boundary"})
+# "pipeline_boundary" is an identity), or a value's layout (`reshard`, which JAX inserts when a step
+# is traced again on sharded arrays: the plan decides layouts): the output is the input's node.
+PASS_THROUGH = frozenset({"stop_gradient", "copy", "copy_p", "optimization_barrier", "pipeline_boundary", "reshard"})
 # Integer types the IR lacks map to a same-size stand-in so byte counts stay right.
 _DTYPE_STAND_INS = {"uint32": DType.I32, "int16": DType.F16, "uint16": DType.F16, "uint64": DType.I64,
                     "bool_": DType.PRED, "float8_e4m3fn": DType.I8, "float8_e5m2": DType.I8}

@@ -16,16 +16,12 @@ from meshplan.ir import GraphBuilder, OpKind
 def _pad(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     """Per dim: a negative edge is a slice, a positive one a concatenation with the padding value
     broadcast to the edge's shape. Interior padding (between entries, as a strided average
-    pooling's gradient has) with zeros is a window sum of one entry over the base-dilated operand;
-    with another value it has no IR form."""
+    pooling's gradient has) is a window sum of one entry over the base-dilated operand, whose
+    holes and edges hold zeros: with another padding value v, of x - v, then + v."""
     x, value = xs
     config = [(int(lo), int(hi), int(interior)) for lo, hi, interior in step.params["padding_config"]]
     if any(interior for _, _, interior in config):
-        if not _is_zero(b, value) or any(lo < 0 or hi < 0 for lo, hi, _ in config):
-            raise NotImplementedError
-        ones = (1,) * len(config)
-        return [b.reduce_window(x, "sum", ones, ones, [(lo, hi) for lo, hi, _ in config],
-                                [interior + 1 for _, _, interior in config])]
+        return [_interior_pad(b, x, value, config)]
     for dim, (low, high, _) in enumerate(config):
         x = _cut(b, x, dim, max(-int(low), 0), max(-int(high), 0))
         parts = [_edge(b, value, x, dim, int(low)), x, _edge(b, value, x, dim, int(high))]
@@ -34,9 +30,17 @@ def _pad(b: GraphBuilder, step: Step, xs: list[int]) -> list[int]:
     return [x]
 
 
-def _is_zero(b: GraphBuilder, value: int) -> bool:
+def _interior_pad(b: GraphBuilder, x: int, value: int, config: list[tuple[int, int, int]]) -> int:
+    if any(lo < 0 or hi < 0 for lo, hi, _ in config):
+        raise NotImplementedError  # negative edges of a dilated operand: no IR form
+    ones = (1,) * len(config)
+    edges, dilation = [(lo, hi) for lo, hi, _ in config], [interior + 1 for _, _, interior in config]
     node = b.node(value)
-    return node.kind is OpKind.CONSTANT and node.attr("value") == 0
+    if node.kind is OpKind.CONSTANT and node.attr("value") == 0:
+        return b.reduce_window(x, "sum", ones, ones, edges, dilation)
+    shifted = b.sub(x, b.broadcast(value, b.shape(x), ()))
+    padded = b.reduce_window(shifted, "sum", ones, ones, edges, dilation)
+    return b.add(padded, b.broadcast(value, b.shape(padded), ()))
 
 
 def _cut(b: GraphBuilder, x: int, dim: int, low: int, high: int) -> int:

@@ -173,8 +173,10 @@ class GraphBuilder:
         rhs_dil = positive(rhs_dilation, n, f"{where}: rhs_dilation")
         sizes = [a.shape[d] for d in dims.lhs[2:]]
         windows = [k.shape[d] for d in dims.rhs[2:]]
-        pads = window_padding(padding, [dilated(s, d) for s, d in zip(sizes, lhs_dil, strict=True)],
-                              [dilated(w, r) for w, r in zip(windows, rhs_dil, strict=True)], strides)
+        if isinstance(padding, str) and any(d > 1 for d in lhs_dil):
+            raise GraphError(f"{where}: padding {padding!r} is undefined with lhs_dilation {lhs_dil} (as in "
+                             "jax.lax); give (lo, hi) per spatial dim")
+        pads = window_padding(padding, sizes, [dilated(w, r) for w, r in zip(windows, rhs_dil, strict=True)], strides)
         self._check_groups(where, a.shape[dims.lhs[0]], a.shape[dims.lhs[1]], k.shape[dims.rhs[0]],
                            k.shape[dims.rhs[1]], feature_group_count, batch_group_count)
         shape = [0] * a.rank
@@ -223,8 +225,7 @@ class GraphBuilder:
         strides = positive(window_strides, node.rank, f"{where}: window_strides")
         base = positive(base_dilation, node.rank, f"{where}: base_dilation")
         wdil = positive(window_dilation, node.rank, f"{where}: window_dilation")
-        pads = window_padding(padding, [dilated(s, d) for s, d in zip(node.shape, base, strict=True)],
-                              [dilated(w, r) for w, r in zip(window, wdil, strict=True)], strides)
+        pads = window_padding(padding, node.shape, [dilated(w, r) for w, r in zip(window, wdil, strict=True)], strides)
         shape = [window_output_size(*args) for args in zip(node.shape, window, strides, pads, base, wdil, strict=True)]
         attrs = {"op": op, "window_dimensions": window, "window_strides": strides, "padding": pads,
                  "base_dilation": base, "window_dilation": wdil}

@@ -70,8 +70,8 @@ def conv_dims(spec: Sequence | None, rank: int) -> ConvDims:
 def window_padding(padding: str | Sequence[Sequence[int]] | None, sizes: Sequence[int], windows: Sequence[int],
                    strides: Sequence[int]) -> Padding:
     """(lo, hi) per dim from explicit pairs, None (no padding) or "VALID"/"SAME" (output size
-    ceil(n / s), the padding split with the smaller half before, as XLA does). `windows` are the
-    dilated window sizes."""
+    ceil(n / s), the padding split with the smaller half before), as `jax.lax` computes them:
+    from the operand's undilated `sizes` and the dilated `windows`."""
     if padding is None or padding == "VALID":
         return tuple((0, 0) for _ in sizes)
     if padding == "SAME":
@@ -158,7 +158,11 @@ def conv_output_dim(node: Node, position: int, dim: int, kernel_shape: Sequence[
         return dims.out[0] if node.attr("batch_group_count") == 1 else None
     if role == 1:  # input features, summed unless groups route them to some outputs only
         return SUMMED if node.attr("feature_group_count") == 1 else None
-    i = role - 2
-    pointwise = (kernel_shape[dims.rhs[role]] == 1 and node.attr("window_strides")[i] == 1
-                 and node.attr("padding")[i] == (0, 0) and node.attr("lhs_dilation")[i] == 1)
-    return dims.out[role] if pointwise else None
+    return dims.out[role] if is_pointwise(node, role - 2, kernel_shape) else None
+
+
+def is_pointwise(node: Node, i: int, kernel_shape: Sequence[int]) -> bool:
+    """Whether a convolution's spatial dim `i` maps input positions one to one onto output
+    positions (kernel size 1, stride 1, no padding, no input dilation: a 1x1 convolution's)."""
+    return (kernel_shape[node.attr("rhs_spec")[2 + i]] == 1 and node.attr("window_strides")[i] == 1
+            and node.attr("padding")[i] == (0, 0) and node.attr("lhs_dilation")[i] == 1)

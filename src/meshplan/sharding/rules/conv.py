@@ -22,7 +22,7 @@ import math
 from collections.abc import Hashable, Iterator
 
 from meshplan.ir.node import Node, OpKind
-from meshplan.ir.windows import ConvDims
+from meshplan.ir.windows import ConvDims, is_pointwise
 from meshplan.sharding.context import RuleContext
 from meshplan.sharding.rules.assign import assign_axes
 from meshplan.sharding.rules.dot import contraction_strategy, keep_forced_batch, reductions
@@ -47,12 +47,7 @@ class ConvSlots:
             self.slots.append(("o", 0))
         if not grouped:
             self.slots.append(("c", 0))
-        self.slots += [("s", i) for i in range(self.dims.spatial_rank) if self._pointwise(i)]
-
-    def _pointwise(self, i: int) -> bool:
-        node = self.node
-        return (self.rhs.shape[self.dims.rhs[2 + i]] == 1 and node.attr("window_strides")[i] == 1
-                and node.attr("padding")[i] == (0, 0) and node.attr("lhs_dilation")[i] == 1)
+        self.slots += [("s", i) for i in range(self.dims.spatial_rank) if is_pointwise(node, i, rhs.shape)]
 
     def size(self, slot: Slot) -> int:
         group, i = slot
@@ -96,9 +91,9 @@ def _strategies(node: Node, slots: ConvSlots, assignment: dict, ctx: RuleContext
     out, lhs, rhs = slots.specs(assignment)
     contracted = assignment.get(("c", 0), ())
     kernel = slots.rhs
-    # Per output entry: the kernel's input features and taps (an implicit GEMM's k).
-    taps = kernel.size // max(kernel.shape[slots.dims.rhs[0]], 1)
-    local_k = taps / ctx.mesh.axis_size(contracted) if kernel.size else 0
+    # Per output entry: the kernel's input features (a padded share of them) times its taps, an implicit GEMM's k.
+    taps = math.prod(kernel.shape[d] for d in slots.dims.rhs[2:])
+    local_k = math.ceil(kernel.shape[slots.dims.rhs[1]] / ctx.mesh.axis_size(contracted)) * taps
     local_out = out.shard_shape(node.shape, ctx.mesh)
     flops = 2.0 * math.prod(local_out) * local_k
     n = local_out[slots.dims.out[1]]
