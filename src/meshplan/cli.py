@@ -231,6 +231,8 @@ def simulate(
     task_time_limit: Annotated[float, typer.Option(help="Seconds per task attempt (0: none; pool and Ray).")] = 0.0,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
+    mesh_axes: Annotated[int, typer.Option(help="Logical view axes per stage: 2 (Alpa's views) or 3 (also "
+                                                "3-D views of stages of 8+ devices).")] = 2,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     layout: Annotated[str, typer.Option(
         help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
@@ -260,7 +262,7 @@ def simulate(
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
                              microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
-                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
+                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,), mesh_axes=mesh_axes)
     job = TrainingJob(model_config(model), global_batch, seq_len, as_dtype(dtype), optimizer)
     if layout:
         from meshplan.report.simulation_text import print_layout

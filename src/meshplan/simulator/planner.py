@@ -91,7 +91,7 @@ def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: Planner
     for shape in cluster.submesh_shapes():
         if b % shape[0]:
             continue
-        for index, view in enumerate(planner_views(cluster, shape)):
+        for index, view in enumerate(planner_views(cluster, shape, options.mesh_axes)):
             if b % view.shape[batch_axis(view)] == 0:
                 tasks.append(PricingTask(ViewKey("view", b, shape, index), job, cluster, num_microbatches, options))
     return tasks
