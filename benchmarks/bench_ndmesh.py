@@ -1,0 +1,70 @@
+"""3-D logical views in the stage search: plan a job with the stage DP on 2-D views only
+(PlannerOptions.mesh_axes=2, Alpa's views) and with the 3-D views of stages of 8 or more devices
+too (mesh_axes=3); record both plans, the per-view price of one transformer block (the stage
+DP's input) and the planner seconds. Writes benchmarks/results/ndmesh.json.
+Run: python benchmarks/bench_ndmesh.py [CASE ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+from meshplan.cluster import Cluster, get_device
+from meshplan.models.transformer import PRESETS
+from meshplan.simulator import PlannerOptions, TrainingJob
+from meshplan.simulator.planner import PlannerStats, plan_training
+from meshplan.simulator.pricing import ViewKey
+
+from common import save
+
+# name: (preset, nodes, devices per node, device, sequence length, global batch, micro-batch sizes)
+CASES = {
+    "gpt3-1.3b-seq8k-2x8-a100": ("gpt3-1.3b", 2, 8, "a100-80gb", 8192, 2, (2,)),
+}
+
+
+def main(names: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    cases = [_case(name, *CASES[name]) for name in names or CASES]
+    print("wrote", save("ndmesh", cases))
+
+
+def _case(name: str, preset: str, nodes: int, per_node: int, device: str, seq: int, batch: int,
+          sizes: tuple[int, ...]) -> dict:
+    job = TrainingJob(PRESETS[preset], global_batch=batch, seq_len=seq)
+    cluster = Cluster(nodes, per_node, get_device(device))
+    case = {"name": name, "model": preset, "cluster": cluster.name, "seq_len": seq, "global_batch": batch}
+    for axes in (2, 3):
+        options = PlannerOptions(mesh_axes=axes, workers=1, microbatch_sizes=sizes)
+        priced: dict[ViewKey, object] = {}
+        start = time.perf_counter()
+        best = plan_training(job, cluster, options, None, PlannerStats(), priced, None)
+        seconds = time.perf_counter() - start
+        stages = [{"layers": [s.first, s.last], "submesh": list(s.submesh), "view": list(s.view),
+                   "menu": s.menu, "recompute": s.recompute} for s in best.inter.stages]
+        case[f"{axes}d"] = {"iteration_time_s": best.iteration_time, "microbatch_size": best.microbatch_size,
+                            "stages": stages, "planner_s": seconds, "views": _block_prices(priced)}
+        print(f"{name} mesh_axes={axes}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s")
+    case["speedup_3d_over_2d"] = case["2d"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
+    return case
+
+
+def _block_prices(priced: dict) -> list[dict]:
+    """One transformer block's menu on every priced view: time per micro-batch, gradient sync per
+    iteration, bytes held."""
+    rows = []
+    for key, result in priced.items():
+        if result.costs is None:
+            continue
+        menu = result.costs.layers[len(result.costs.layers) // 2]
+        rows.append({"microbatch_size": key.microbatch_size, "submesh": list(key.submesh),
+                     "view": list(result.costs.view),
+                     "menu": [{"time_ms": c.time * 1e3, "sync_ms": c.sync_time * 1e3, "static_gb": c.static_bytes / 1e9,
+                               "activation_gb": c.activation_bytes / 1e9} for c in menu]})
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
