@@ -131,8 +131,8 @@ def three_axis_shapes(nodes: int, per_node: int) -> list[tuple[int, int, int]]:
     tensor parallelism, gets NVLink) and no axis straddles a node boundary unevenly (b * c
     divides `per_node` or is a multiple of it), so every axis is wholly intra- or inter-node.
     Ordered by c, then b, largest first. For D = 2^k devices there are at most (k-1)(k-2)/2 of
-    them (3 of 16, 10 of 64, 21 of 256): the stage search prices each, so the count is what 3-D
-    views add to its time.
+    them (3 of 2 x 8, 15 of 32 x 8, where c <= 8 leaves out 6 of the 21): the stage search
+    prices each, so the count is what 3-D views add to its time.
     """
     total = nodes * per_node
     if total < 8:
