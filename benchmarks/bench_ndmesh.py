@@ -15,13 +15,22 @@ from meshplan.cluster import Cluster, get_device
 from meshplan.models.transformer import PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob
 from meshplan.simulator.planner import PlannerStats, plan_training
-from meshplan.simulator.pricing import ViewKey
+from meshplan.simulator.pricing import (
+    ViewKey,
+    batch_axis,
+    piece_graphs,
+    piece_pricing,
+    planner_views,
+    profile_piece,
+)
 
 from common import save
 
 # name: (preset, nodes, devices per node, device, sequence length, global batch, micro-batch sizes)
 CASES = {
-    "gpt3-1.3b-seq8k-2x8-a100": ("gpt3-1.3b", 2, 8, "a100-80gb", 8192, 2, (2,)),
+    # Two sequences of 32k tokens per iteration on 4 nodes of 8: a 2-D view of the 4 nodes puts
+    # axis 0 across all of them, 4 or more ways, more than a micro-batch of 2 can split.
+    "gpt3-1.3b-seq32k-batch2-4x8-a100": ("gpt3-1.3b", 4, 8, "a100-80gb", 32768, 2, (2,)),
 }
 
 
@@ -48,7 +57,29 @@ def _case(name: str, preset: str, nodes: int, per_node: int, device: str, seq: i
                             "stages": stages, "planner_s": seconds, "views": _block_prices(priced)}
         print(f"{name} mesh_axes={axes}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s")
     case["speedup_3d_over_2d"] = case["2d"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
+    first = case["3d"]["stages"][0]
+    if len(first["view"]) == 3:
+        case["3d"]["block_layout"] = _block_layout(job, cluster, tuple(first["submesh"]), tuple(first["view"]),
+                                                   case["3d"]["microbatch_size"])
     return case
+
+
+def _block_layout(job: TrainingJob, cluster: Cluster, submesh: tuple[int, int], view: tuple[int, ...],
+                  b: int) -> dict:
+    """How the stage DP's 3-D view splits a transformer block: the layout of each forward product
+    (output = lhs x rhs, dims per mesh axis as the plan names them, e.g. S0S12R: dim 0 over axis
+    0, dim 1 over axes 1 and 2) and of the inputs (activations, weights, optimizer state)."""
+    options = PlannerOptions(mesh_axes=3)
+    mesh = next(v for v in planner_views(cluster, submesh, 3) if v.shape == view)
+    piece = piece_graphs(job.model, b, job.seq_len, job.dtype, job.optimizer)[0][False]
+    flops = cluster.device.peak_flops * options.efficiency
+    _, plan = profile_piece(piece, mesh, flops, job.global_batch // b, force_batch_axis=batch_axis(mesh),
+                            reduce_scatter=True, pricing=piece_pricing(job, cluster, options))
+    products = {f"{c.name} {list(c.shape)}": f"{c.output} = {' x '.join(map(str, c.operands))}"
+                for c in plan.nodes if c.op == "dot" and c.name.startswith("layer")}
+    inputs = {f"{c.name} {list(c.shape)}": str(c.output) for c in plan.nodes
+              if c.op == "parameter" and len(c.shape) >= 2}
+    return {"forward_products": products, "inputs": inputs}
 
 
 def _block_prices(priced: dict) -> list[dict]:
