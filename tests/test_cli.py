@@ -38,7 +38,7 @@ def test_intra_json_and_out_file(tmp_path):
 def test_intra_on_a_three_axis_mesh(tmp_path):
     """`--mesh 2x2x2` without per-axis costs: axis 0 slow, the others fast; the plan names all three."""
     out = tmp_path / "plan.json"
-    result = run("intra", "--layers", "1", "--batch", "8", "--seq-len", "64", "--mesh", "2x2x2", "--memory", "none",
+    result = run("intra", "--layers", "1", "--batch", "2", "--seq-len", "8", "--mesh", "2x2x2", "--memory", "none",
                  "--out", str(out))
     assert result.returncode == 0, result.stderr
     plan = Plan.from_dict(json.loads(out.read_text()))
