@@ -45,18 +45,22 @@ def _case(name: str, preset: str, nodes: int, per_node: int, device: str, seq: i
     job = TrainingJob(PRESETS[preset], global_batch=batch, seq_len=seq)
     cluster = Cluster(nodes, per_node, get_device(device))
     case = {"name": name, "model": preset, "cluster": cluster.name, "seq_len": seq, "global_batch": batch}
-    for axes in (2, 3):
-        options = PlannerOptions(mesh_axes=axes, workers=1, microbatch_sizes=sizes)
+    # The stage DP's default chunks (1, 2, 4), and plain 1F1B (chunks 1): the interleaved
+    # schedule's bubble formula assumes more micro-batches than stages.
+    for label, axes, chunks in (("2d", 2, (1, 2, 4)), ("3d", 3, (1, 2, 4)), ("2d_1f1b", 2, (1,))):
+        options = PlannerOptions(mesh_axes=axes, workers=1, microbatch_sizes=sizes, chunks=chunks)
         priced: dict[ViewKey, object] = {}
         start = time.perf_counter()
         best = plan_training(job, cluster, options, None, PlannerStats(), priced, None)
         seconds = time.perf_counter() - start
         stages = [{"layers": [s.first, s.last], "submesh": list(s.submesh), "view": list(s.view),
                    "menu": s.menu, "recompute": s.recompute} for s in best.inter.stages]
-        case[f"{axes}d"] = {"iteration_time_s": best.iteration_time, "microbatch_size": best.microbatch_size,
-                            "stages": stages, "planner_s": seconds, "views": _block_prices(priced)}
-        print(f"{name} mesh_axes={axes}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s")
+        case[label] = {"iteration_time_s": best.iteration_time, "microbatch_size": best.microbatch_size,
+                       "schedule": best.inter.schedule, "chunks": best.inter.chunks, "stages": stages,
+                       "planner_s": seconds, "views": _block_prices(priced)}
+        print(f"{name} {label}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s")
     case["speedup_3d_over_2d"] = case["2d"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
+    case["speedup_3d_over_2d_1f1b"] = case["2d_1f1b"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
     first = case["3d"]["stages"][0]
     if len(first["view"]) == 3:
         case["3d"]["block_layout"] = _block_layout(job, cluster, tuple(first["submesh"]), tuple(first["view"]),
