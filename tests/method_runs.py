@@ -24,7 +24,7 @@ PROGRAMS = {"mlp": functools.partial(mlp_program, layers=4), "bert": bert_progra
 SLOW = Cluster(1, 8, DeviceSpec("slow-cpu", 1e8, float("inf"), 1e9, 1e-5, 1e9, 1e-5))
 METHODS = {"dp": DataParallel(), "zero2": Zero2Parallel(), "zero3": Zero3Parallel(), "tp": TensorParallel(),
            "shard8": ShardParallel(mesh_shape=(8,)), "shard2x4": ShardParallel(mesh_shape=(2, 4)),
-           "shard4x2": ShardParallel(mesh_shape=(4, 2))}
+           "shard4x2": ShardParallel(mesh_shape=(4, 2)), "shard2x2x2": ShardParallel(mesh_shape=(2, 2, 2))}
 DATA_PARALLEL = ("dp", "zero2", "zero3")  # methods that promise the state's layout at rest: state donated
 STEPS = 3
 

@@ -35,6 +35,19 @@ def test_intra_json_and_out_file(tmp_path):
     assert Plan.from_dict(data).to_dict() == data
 
 
+def test_intra_on_a_three_axis_mesh(tmp_path):
+    """`--mesh 2x2x2` without per-axis costs: axis 0 slow, the others fast; the plan names all three."""
+    out = tmp_path / "plan.json"
+    result = run("intra", "--layers", "1", "--batch", "2", "--seq-len", "8", "--mesh", "2x2x2", "--memory", "none",
+                 "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    plan = Plan.from_dict(json.loads(out.read_text()))
+    assert plan.stages[0].logical_mesh == (2, 2, 2)
+    intra = plan.stages[0].intra_plan
+    assert (intra.mesh.alpha, intra.mesh.beta) == ((1.0, 1.0, 1.0), (1.0, 0.01, 0.01))
+    assert {a for c in intra.nodes for a in c.output.axes()} == {0, 1, 2}
+
+
 def test_dump_lp(tmp_path):
     lp = tmp_path / "m.lp"
     result = run("intra", "--layers", "1", "--batch", "8", "--seq-len", "64", "--mesh", "2x2", "--dump-lp", str(lp))
@@ -47,6 +60,8 @@ def test_dump_lp(tmp_path):
     (("--model", "llama9-1b"), "unknown model 'llama9-1b'"),
     (("--mesh", "4xq"), "is not a shape"),
     (("--mesh", "2x2", "--mesh-alpha", "1"), "1 alpha values for 2 axes"),
+    (("--mesh", "2x2x2", "--mesh-beta", "1,0.01"), "2 beta values for 3 axes"),
+    (("--mesh", "2x2x2x2x2x2x2x2x2x2x2"), "at most 10"),
     (("--memory", "lots"), "memory size 'lots'"),
     (("--mesh", "100000x1", "--batch", "8", "--seq-len", "64", "--layers", "1"), "nothing can be split"),
     (("--batch", "0"), "must be at least 1"),

@@ -7,7 +7,10 @@ import math
 import pytest
 
 from meshplan.cluster import DEVICES, Cluster, DeviceSpec, device_from_overrides, get_device, parse_cluster
-from meshplan.errors import MeshError
+from meshplan.cluster.cluster import three_axis_shapes
+from meshplan.errors import MeshError, OptionsError
+from meshplan.simulator import PlannerOptions
+from meshplan.simulator.pricing import planner_views
 
 GiB = 2**30
 
@@ -119,3 +122,24 @@ def test_views_reject_submesh_outside_cluster():
     for shape, origin in (((3, 4), (0, 0)), ((1, 8), (0, 0)), ((1, 2), (0, 3)), ((0, 1), (0, 0))):
         with pytest.raises(MeshError, match="does not fit cluster 2x4 a100-40gb"):
             cluster.logical_views(shape, origin)
+
+
+def test_three_axis_views():
+    """3-D views of sub-meshes of 8+ devices follow the 2-D ones: the last axis inside a node, every
+    axis wholly intra- or inter-node, per-axis links from the groups along it."""
+    dev = get_device("a100-80gb")
+    cluster = Cluster(4, 8, dev)
+    views = cluster.logical_views((2, 8), max_axes=3)
+    assert [v.shape for v in views] == [(2, 8), (4, 4), (8, 2), (1, 16), (2, 2, 4), (2, 4, 2), (4, 2, 2)]
+    assert [v.beta for v in views[4:]] == [(dev.inter_beta, dev.intra_beta, dev.intra_beta)] * 3
+    assert [v.shape for v in cluster.logical_views((1, 4), max_axes=3)] == [(1, 4), (2, 2)]  # < 8 devices
+    assert [v.shape for v in cluster.logical_views((1, 8), max_axes=3)][-1] == (2, 2, 2)
+    assert three_axis_shapes(32, 8)[:2] == [(2, 16, 8), (4, 8, 8)] and len(three_axis_shapes(32, 8)) == 15
+    assert three_axis_shapes(3, 6) == [(3, 2, 3), (3, 3, 2)]  # (2, 3, 3) would split a node's 6 as 9s
+    planned = [v.shape for v in planner_views(cluster, (2, 8), max_axes=3)]
+    assert planned == [(2, 8), (4, 4), (8, 2), (16, 1), (2, 2, 4), (2, 4, 2), (4, 2, 2)]
+    assert [v.shape for v in planner_views(cluster, (2, 8))] == planned[:4]  # 2-D indices unchanged
+    with pytest.raises(MeshError, match="use 2"):
+        cluster.logical_views((2, 8), max_axes=4)
+    with pytest.raises(OptionsError, match="--mesh-axes 2 or 3"):
+        PlannerOptions(mesh_axes=4)

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from meshplan import GraphBuilder, InfeasiblePlanError, IntraOptions, LogicalMesh, solve_intra
@@ -109,3 +109,49 @@ def test_warm_started_ilp_found_by_hypothesis():
     expected = brute_force(sg, budget)
     assert expected == 83.0
     assert solve_intra(graph, mesh, options.replace(memory_budget=budget)).objective == pytest.approx(expected)
+
+
+@st.composite
+def tiny_graphs(draw):
+    """x @ w and one more op: small enough that every combination of strategies on a 3-D mesh
+    can be listed."""
+    b = GraphBuilder("tiny")
+    n, k, m = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4, 8]))
+    x = b.parameter((n, k), name="x")
+    w = b.parameter((k, m), name="w")
+    y = b.matmul(x, w)
+    kind = draw(st.sampled_from(["exp", "transpose", "reduce", "dot_t"]))
+    if kind == "exp":
+        y = b.exp(y)
+    elif kind == "transpose":
+        y = b.transpose(y, (1, 0))
+    elif kind == "reduce":
+        y = b.reduce(y, (draw(st.integers(0, 1)),))
+    else:
+        y = b.dot(y, y, (0,), (0,))
+    b.outputs(y, force_replicated=draw(st.booleans()))
+    return b.build()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(graph=tiny_graphs(), shape=st.sampled_from([(2, 2, 2), (2, 2, 2), (2, 2, 2), (2, 1, 2), (1, 2, 2)]),
+       beta=st.sampled_from([(1.0, 0.1, 0.01), (0.01, 1.0, 0.1)]), compute=st.booleans(),
+       budget_fraction=st.sampled_from([None, 0.4, 1.0]), reduce_scatter=st.booleans())
+def test_ilp_equals_brute_force_on_3d_meshes(graph, shape, beta, compute, budget_fraction, reduce_scatter):
+    """Three mesh axes, each with its own link price: the ILP still finds the cheapest plan."""
+    mesh = LogicalMesh(shape, (1.0, 0.5, 0.25), beta)
+    cost = CostModel(flops_per_second=50.0 if compute else None)
+    options = IntraOptions(cost=cost, reduce_scatter=reduce_scatter)
+    sg, _, _, _ = build_intra_problem(graph, mesh, options)
+    assume(math.prod(sg.size(g) for g in sg.groups) <= 6000)
+    budget = None if budget_fraction is None else budget_fraction * sum(graph[v].nbytes for v in range(len(graph)))
+    expected = brute_force(sg, budget)
+    options = options.replace(memory_budget=budget)
+    if math.isinf(expected):
+        with pytest.raises(InfeasiblePlanError):
+            solve_intra(graph, mesh, options)
+        return
+    plan = solve_intra(graph, mesh, options)
+    assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    # --hypothesis-show-statistics: about half the examples run on 2x2x2 and use all three axes
+    event(f"{mesh.name} mesh, {len({a for c in plan.nodes for a in c.output.axes()})} axes used")

@@ -95,6 +95,30 @@ def test_op_level_collectives_are_the_link_model():
     assert alpha_beta == pytest.approx(view.alpha[1] + view.beta[1] * 2 * 7 / 8 * MB)
 
 
+def test_three_axis_views_price_each_axis_on_the_links_it_crosses():
+    """A 4x8x8 view of 256 A100s (32 nodes of 8): axis 2 inside a node (NVLink), axes 0 and 1
+    across nodes (NICs). A collective over several axes is one communicator over the ranks they
+    span: 8 per node whenever axis 2 is among them, one per node otherwise."""
+    cluster = Cluster(32, 8, get_device("a100-80gb"))
+    view = next(v for v in cluster.full_mesh_views(max_axes=3) if v.shape == (4, 8, 8))
+    d = cluster.device
+    assert view.beta == (d.inter_beta, d.inter_beta, d.intra_beta)
+    assert view.alpha == (d.inter_latency, d.inter_latency, d.intra_latency)
+    spans = {axes: view.group_locality(axes) for axes in ((0,), (1,), (2,), (0, 1), (1, 2), (0, 2), (0, 1, 2))}
+    assert spans == {(0,): (4, 1), (1,): (8, 1), (2,): (8, 8), (0, 1): (32, 1), (1, 2): (64, 8), (0, 2): (32, 8),
+                     (0, 1, 2): (256, 8)}
+    links = Links.of(d, DEFAULT_EFFICIENCY.link)
+    node_aware = CollectiveCosts(link_efficiency=DEFAULT_EFFICIENCY.link)
+    for axes, (size, local) in spans.items():
+        want = collective_seconds(AR, MB, Group(size, local), links)
+        assert node_aware.cost(AR, view, axes, MB) == pytest.approx(want)
+    # Inside the node the same bytes are an order of magnitude cheaper than across nodes.
+    assert node_aware.cost(AR, view, (2,), MB) * 5 < node_aware.cost(AR, view, (1,), MB)
+    # Per-axis alpha-beta (no link model): hierarchical over the axes, the cheapest order.
+    inside_first = (view.alpha[2] + view.beta[2] * 2 * 7 / 8 * MB) + (view.alpha[1] + view.beta[1] * 2 * 7 / 8 * MB / 8)
+    assert CollectiveCosts().cost(AR, view, (1, 2), MB) == pytest.approx(inside_first)
+
+
 def test_tensor_parallel_over_two_nodes_is_about_twice_one_node():
     """LLaMA2-7B on 2 x 8 A100 with 8 x 100 Gb/s NICs: tp=16 over both nodes against tp=8 in
     one node (measured Megatron-LM runs: about 2x slower, not 10x). The closed form's

@@ -122,7 +122,7 @@ def runtime_dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     folders = {}
     step, state, data = adam_mlp()
-    for name, method in (("shard", ShardParallel(mesh_shape=(2, 4))), ("dp", DataParallel()),
+    for name, method in (("shard", ShardParallel(mesh_shape=(2, 2, 2))), ("dp", DataParallel()),
                          ("zero3", Zero3Parallel())):
         f = parallelize(step, method=method)
         f(state, data)
@@ -303,6 +303,10 @@ def test_partition_specs_apply_with_jit_and_give_the_plans_shardings(runtime_dum
             assert sharding.is_equivalent_to(want, leaf.ndim), (path, sharding, want)
             split += not planned["args" + jax.tree_util.keystr(path)].is_replicated
         assert split > 0  # the plan splits something: the check is not vacuous
+        if name == "shard":  # a 2x2x2 logical mesh: three named axes, the third one used
+            assert namespace["mesh_axes"] == ("x", "y", "z") and namespace["mesh_shape"] == (2, 2, 2)
+            assert any("z" in str(spec) for spec in jax.tree_util.tree_leaves(
+                specs, is_leaf=lambda v: isinstance(v, PartitionSpec)))
         (new_state, loss), (want_state, want_loss) = compiled(state, data), jax.jit(step)(state, data)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(want_state), strict=True):

@@ -13,7 +13,8 @@ from meshplan.cluster import Cluster, get_device
 from meshplan.models.transformer import PRESETS, load_hf_config, model_config
 from meshplan.plan import Plan
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
-from meshplan.simulator.planner import microbatch_candidates
+from meshplan.simulator.planner import auto_view_tasks, microbatch_candidates
+from meshplan.simulator.pricing import planner_views
 
 SMALL = PRESETS["gpt3-125m"].replace(layers=4)
 
@@ -209,3 +210,21 @@ def test_menu_from_one_enumeration_equals_separate_solves():
             if cost.static_bytes < kept[-1].static_bytes * 0.999:
                 kept.append(cost)
         assert menu == tuple(kept) and len(menu) >= 2
+
+
+def test_three_axis_views_let_a_small_micro_batch_use_every_node():
+    """Two sequences per micro-batch on 4 nodes of 8: every 2-D view of the 4 nodes has a data axis
+    of 4 or more (it spans all nodes), so none is priced; with --mesh-axes 3 the views (2, b, c)
+    are, data over node pairs and the other axes for sequence and tensor splits
+    (benchmarks/bench_ndmesh.py: the stage DP then plans one 32-device stage on (2, 2, 8))."""
+    job = TrainingJob(PRESETS["gpt3-1.3b"], global_batch=2, seq_len=32768)
+    cluster = Cluster(4, 8, get_device("a100-80gb"))
+
+    def priced(axes: int) -> list[tuple[tuple[int, int], tuple[int, ...]]]:
+        tasks = auto_view_tasks(job, cluster, 2, PlannerOptions(mesh_axes=axes))
+        return [(t.key.submesh, planner_views(cluster, t.key.submesh, axes)[t.key.view_index].shape) for t in tasks]
+
+    two, three = priced(2), priced(3)
+    assert not [view for submesh, view in two if submesh[0] > 2]
+    assert [view for submesh, view in three if submesh == (4, 8)] == [(2, 2, 8), (2, 4, 4), (2, 8, 2)]
+    assert set(two) < set(three)

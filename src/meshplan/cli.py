@@ -60,9 +60,11 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 @user_errors
 def intra(
     model: Annotated[str, typer.Option(help="Model preset, e.g. llama2-13b.")] = "llama2-13b",
-    mesh: Annotated[str, typer.Option(help="Logical mesh shape, e.g. 50x4.")] = "50x4",
-    mesh_alpha: Annotated[str, typer.Option(help="Latency per mesh axis, comma separated.")] = "1,1",
-    mesh_beta: Annotated[str, typer.Option(help="Cost per byte per mesh axis, comma separated.")] = "1,0.01",
+    mesh: Annotated[str, typer.Option(help="Logical mesh shape, e.g. 50x4 or 2x2x2.")] = "50x4",
+    mesh_alpha: Annotated[str, typer.Option(help="Latency per mesh axis, comma separated (default: 1 "
+                                                 "each).")] = "",
+    mesh_beta: Annotated[str, typer.Option(help="Cost per byte per mesh axis, comma separated (default: 1 "
+                                                "on axis 0, 0.01 on the others).")] = "",
     memory: Annotated[str, typer.Option(help="Memory per device, e.g. 32GB; 'none' for unlimited.")] = "32GB",
     batch: Annotated[int, typer.Option(help="Batch size.")] = 200,
     seq_len: Annotated[int, typer.Option(help="Sequence length.")] = 4096,
@@ -238,6 +240,8 @@ def simulate(
     task_time_limit: Annotated[float, typer.Option(help="Seconds per task attempt (0: none; pool and Ray).")] = 0.0,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
+    mesh_axes: Annotated[int, typer.Option(help="Logical view axes per stage: 2 (Alpa's views) or 3 (also "
+                                                "3-D views of stages of 8+ devices).")] = 2,
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     layout: Annotated[str, typer.Option(
         help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
@@ -268,7 +272,7 @@ def simulate(
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
                              microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
-                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,))
+                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,), mesh_axes=mesh_axes)
     model_spec = simulation_model(model)
     _check_image_options(model_spec, seq_len, layout, pricer)
     job = TrainingJob(model_spec, global_batch, seq_len or (4096 if model_spec.sample_unit == "tokens" else 1),
@@ -573,9 +577,13 @@ class _progress:
 
 
 def _mesh(shape: str, alpha: str, beta: str, memory: str) -> LogicalMesh:
+    """The logical mesh of `meshplan intra`: without --mesh-alpha/--mesh-beta, axis 0 is the slow
+    (inter-node) one at 1 per byte and every other axis is fast (0.01), whatever the axis count."""
     budget = None if memory.strip().lower() in ("none", "0", "unlimited") else parse_bytes(memory)
-    return LogicalMesh(parse_mesh_shape(shape), parse_floats(alpha, "--mesh-alpha"),
-                       parse_floats(beta, "--mesh-beta"), budget)
+    sizes = parse_mesh_shape(shape)
+    alphas = parse_floats(alpha, "--mesh-alpha") if alpha.strip() else (1.0,) * len(sizes)
+    betas = parse_floats(beta, "--mesh-beta") if beta.strip() else (1.0,) + (0.01,) * (len(sizes) - 1)
+    return LogicalMesh(sizes, alphas, betas, budget)
 
 
 def _space(name: str) -> StrategySpace:

@@ -54,32 +54,43 @@ class Cluster:
         partial = [(1, 2**i) for i in range(m.bit_length()) if 2**i < m]
         return (*partial, *((k, m) for k in range(1, self.nodes + 1)))
 
-    def logical_views(self, shape: tuple[int, int], origin: tuple[int, int] = (0, 0)) -> tuple[LogicalMesh, ...]:
-        """The 2-D logical meshes of the physical sub-mesh `shape` = (n nodes, m devices each).
+    def logical_views(self, shape: tuple[int, int], origin: tuple[int, int] = (0, 0),
+                      max_axes: int = 2) -> tuple[LogicalMesh, ...]:
+        """The logical meshes of the physical sub-mesh `shape` = (n nodes, m devices each).
 
-        With D = n * m, the views are (D // b, b) for each divisor b > 1 of m, largest b first
-        (so (n, m) comes first, then (2n, m/2), ...), then (1, D) if not already listed. Each
-        view's axis 1 stays inside a node when b divides m. Transposes are left out: (m, 1)
-        would repeat (1, m) with the axes swapped. An axis whose every group lies in one node
-        gets the intra-node alpha/beta, otherwise the inter-node ones (the slowest link of
-        its ring); a size-1 axis counts as intra. All views of a sub-mesh share its device
-        ids, row-major with the within-node index fastest, so axis 1 groups are consecutive.
+        With D = n * m, the 2-D views are (D // b, b) for each divisor b > 1 of m, largest b
+        first (so (n, m) comes first, then (2n, m/2), ...), then (1, D) if not already listed.
+        Each view's axis 1 stays inside a node when b divides m. Transposes are left out: (m, 1)
+        would repeat (1, m) with the axes swapped. With `max_axes` = 3 and D >= 8, the 3-D
+        views (`three_axis_shapes`) follow. An axis whose every group lies in one node gets the
+        intra-node alpha/beta, otherwise the inter-node ones (the slowest link of its ring); a
+        size-1 axis counts as intra. All views of a sub-mesh share its device ids, row-major with
+        the within-node index fastest, so the last axis's groups are consecutive.
 
         Args:
             shape: (nodes, devices per node) of the sub-mesh.
             origin: (first node, first device within the node) of the sub-mesh.
+            max_axes: 2 (Alpa's views) or 3 (also the 3-D views).
+
+        Raises:
+            MeshError: the sub-mesh does not fit, or `max_axes` is not 2 or 3.
         """
+        if max_axes not in (2, 3):
+            raise MeshError(f"logical views of {max_axes} axes are not planned; use 2 (Alpa's 2-D views) or 3 "
+                            "(also data x tensor x sequence views of stages of 8 or more devices)")
         ids = self.submesh_ids(shape, origin)
         n, m = shape
         widths = [b for b in range(m, 1, -1) if m % b == 0]
-        views = [(n * m // b, b) for b in widths]
+        views: list[tuple[int, ...]] = [(n * m // b, b) for b in widths]
         if (1, n * m) not in views:
             views.append((1, n * m))
+        if max_axes == 3:
+            views += three_axis_shapes(n, m)
         return tuple(self._view(view, ids) for view in views)
 
-    def full_mesh_views(self) -> tuple[LogicalMesh, ...]:
+    def full_mesh_views(self, max_axes: int = 2) -> tuple[LogicalMesh, ...]:
         """`logical_views` of the whole cluster."""
-        return self.logical_views((self.nodes, self.devices_per_node))
+        return self.logical_views((self.nodes, self.devices_per_node), max_axes=max_axes)
 
     def submesh_ids(self, shape: tuple[int, int], origin: tuple[int, int]) -> tuple[int, ...]:
         """Global ids of the sub-mesh, row-major; raises MeshError if it does not fit."""
@@ -92,12 +103,9 @@ class Cluster:
             )
         return tuple((i0 + i) * self.devices_per_node + j0 + j for i in range(n) for j in range(m))
 
-    def _view(self, view: tuple[int, int], ids: tuple[int, ...]) -> LogicalMesh:
+    def _view(self, view: tuple[int, ...], ids: tuple[int, ...]) -> LogicalMesh:
         """One logical view of `ids`, with per-axis alpha/beta from the links its groups use."""
-        a, b = view
-        columns = [ids[j::b] for j in range(b)]  # the groups along axis 0
-        rows = [ids[k * b : (k + 1) * b] for k in range(a)]  # the groups along axis 1
-        intra = (self._in_one_node(columns), self._in_one_node(rows))
+        intra = tuple(self._in_one_node(axis_groups(view, ids, k)) for k in range(len(view)))
         d = self.device
         alpha = tuple(d.intra_latency if x else d.inter_latency for x in intra)
         beta = tuple(d.intra_beta if x else d.inter_beta for x in intra)
@@ -113,6 +121,38 @@ class Cluster:
 
     def _in_one_node(self, groups: list[tuple[int, ...]]) -> bool:
         return all(len({i // self.devices_per_node for i in g}) == 1 for g in groups)
+
+
+def three_axis_shapes(nodes: int, per_node: int) -> list[tuple[int, int, int]]:
+    """The 3-D views (a, b, c) of `nodes` x `per_node` devices, a * b * c of them, every axis of
+    at least 2 (a size-1 axis would repeat a 2-D view), and none with fewer than 8 devices.
+
+    The last axis stays inside a node (c divides `per_node`: the axis that talks most, e.g.
+    tensor parallelism, gets NVLink) and no axis straddles a node boundary unevenly (b * c
+    divides `per_node` or is a multiple of it), so every axis is wholly intra- or inter-node.
+    Ordered by c, then b, largest first. For D = 2^k devices there are at most (k-1)(k-2)/2 of
+    them (3 of 2 x 8, 15 of 32 x 8, where c <= 8 leaves out 6 of the 21): the stage search
+    prices each, so the count is what 3-D views add to its time.
+    """
+    total = nodes * per_node
+    if total < 8:
+        return []
+    shapes = []
+    for c in (c for c in range(per_node, 1, -1) if per_node % c == 0):
+        for b in (b for b in range(total // c, 1, -1) if (total // c) % b == 0):
+            a = total // (b * c)
+            aligned = per_node % (b * c) == 0 or (b * c) % per_node == 0
+            if a > 1 and aligned:
+                shapes.append((a, b, c))
+    return shapes
+
+
+def axis_groups(view: tuple[int, ...], ids: tuple[int, ...], axis: int) -> list[tuple[int, ...]]:
+    """The device groups along `axis` of a row-major view of `ids` (a collective over that axis
+    runs in each group)."""
+    stride, size = math.prod(view[axis + 1:]), view[axis]
+    starts = [f for f in range(len(ids)) if (f // stride) % size == 0]
+    return [tuple(ids[f + i * stride] for i in range(size)) for f in starts]
 
 
 _CLUSTER_RE = re.compile(r"\s*(\d+)\s*[x×*,]\s*(\d+)\s*")

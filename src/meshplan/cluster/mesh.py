@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from meshplan.errors import MeshError
 
+# Sharding specs are written with one digit per mesh axis ("S012"): ten axes at most.
+MAX_MESH_AXES = 10
+
 
 @dataclass(frozen=True, slots=True)
 class MeshTopology:
@@ -61,6 +64,9 @@ class LogicalMesh:
         object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
         if not shape or any(s < 1 for s in shape):
             raise MeshError(f"mesh shape {shape} is invalid; every axis needs at least one device")
+        if len(shape) > MAX_MESH_AXES:
+            raise MeshError(f"mesh shape {shape} has {len(shape)} axes; sharding specs name axes 0-9, so at most "
+                            f"{MAX_MESH_AXES}: merge axes into fewer")
         for what, values in (("alpha", self.alpha), ("beta", self.beta)):
             if len(values) != len(shape):
                 raise MeshError(
@@ -123,14 +129,17 @@ def _local_ranks(shape: tuple[int, ...], ids: tuple[int, ...], axes: tuple[int, 
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:
-    """Parse "50x4" (or "50,4", "8") into a shape tuple."""
+    """Parse "50x4" (or "50,4", "8", "2x2x2") into a shape tuple of 1 to MAX_MESH_AXES axes."""
     parts = re.split(r"[x,×*]", text.strip().lower())
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:
-        raise MeshError(f"mesh {text!r} is not a shape; write axis sizes like 50x4 or 8") from None
+        raise MeshError(f"mesh {text!r} is not a shape; write axis sizes like 50x4, 2x2x2 or 8") from None
     if any(s < 1 for s in shape):
         raise MeshError(f"mesh {text!r}: every axis needs at least one device")
+    if len(shape) > MAX_MESH_AXES:
+        raise MeshError(f"mesh {text!r} has {len(shape)} axes; plans name mesh axes 0-9 (S01 splits a dim over "
+                        f"axes 0 and 1), so at most {MAX_MESH_AXES}: merge axes, e.g. 4x2x2 for 2x2x2x2")
     return shape
 
 

@@ -84,6 +84,9 @@ class PlannerOptions:
             closed-form layouts price them unless `fp32grads=off`).
         overlap: gradient reductions overlapped with the last micro-batch's backward pass
             (InterOptions.overlap_tail).
+        mesh_axes: 2 prices each sub-mesh on Alpa's 2-D views; 3 also on the 3-D views of
+            sub-meshes of 8 or more devices (Cluster.logical_views), e.g. data x sequence x
+            tensor, at the price of more views to plan.
     """
 
     efficiency: float = 0.5
@@ -100,6 +103,7 @@ class PlannerOptions:
     kernels: KernelEfficiency = DEFAULT_EFFICIENCY
     fp32_grads: bool = True
     overlap: bool = True
+    mesh_axes: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:
@@ -107,3 +111,6 @@ class PlannerOptions:
         if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
             raise OptionsError(f"chunks {self.chunks!r}: give model chunks per device as positive integers, "
                                "e.g. --chunks 1,2,4 (1 alone: plain 1F1B)")
+        if self.mesh_axes not in (2, 3):
+            raise OptionsError(f"mesh_axes = {self.mesh_axes!r}: the planner prices 2-D views (2) or also 3-D views "
+                               "of stages of 8 or more devices (3); write --mesh-axes 2 or 3")

@@ -84,14 +84,14 @@ def capacity(cluster: Cluster, options: PlannerOptions) -> float:
 
 
 def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: PlannerOptions) -> list[PricingTask]:
-    """One task per sub-mesh view whose nodes take equal shares of a micro-batch of size b
-    (uneven shares leave devices idle; Megatron-style data parallelism needs the same)."""
+    """One task per sub-mesh view whose data axis (axis 0) takes equal shares of a micro-batch
+    of size b (uneven shares leave devices idle; Megatron-style data parallelism needs the same).
+    A 2-D view's axis 0 is a multiple of its nodes, so its nodes take equal shares too; a 3-D
+    view's may span fewer, its other axes splitting the sequence or the tensors across nodes."""
     num_microbatches = job.global_batch // b
     tasks = []
     for shape in cluster.submesh_shapes():
-        if b % shape[0]:
-            continue
-        for index, view in enumerate(planner_views(cluster, shape)):
+        for index, view in enumerate(planner_views(cluster, shape, options.mesh_axes)):
             if b % view.shape[batch_axis(view)] == 0:
                 tasks.append(PricingTask(ViewKey("view", b, shape, index), job, cluster, num_microbatches, options))
     return tasks

@@ -197,7 +197,7 @@ def price_view(task: PricingTask) -> ViewCosts:
     """Profile the block(s), first and last pieces of the job on one view; the first piece is
     stacked onto the first layer and the last onto the last."""
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
-    mesh = planner_views(cluster, key.submesh)[key.view_index]
+    mesh = planner_views(cluster, key.submesh, options.mesh_axes)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
     pricing = piece_pricing(job, cluster, options)
     axis = batch_axis(mesh)
@@ -258,14 +258,16 @@ def batch_axis(mesh: LogicalMesh) -> int:
     return 0
 
 
-def planner_views(cluster: Cluster, shape: tuple[int, int]) -> tuple[LogicalMesh, ...]:
+def planner_views(cluster: Cluster, shape: tuple[int, int], max_axes: int = 2) -> tuple[LogicalMesh, ...]:
     """The logical views the planner prices sub-mesh `shape` on (the micro-batch split over
     axis 0): those of `Cluster.logical_views`, the one-axis view read as data parallelism over
     every device, (D, 1); and for a sub-mesh inside one node also (1, D): every device on the
     second axis with the micro-batch whole, i.e. tensor parallelism alone (Megatron's stage of
-    one node at micro-batch 1)."""
+    one node at micro-batch 1). With `max_axes` = 3 the 3-D views follow the 2-D ones (whose
+    indices stay the same): data over axis 0, the other two for the ILP to give to tensor,
+    sequence or optimizer-state splits."""
     views = []
-    for view in cluster.logical_views(shape):
+    for view in cluster.logical_views(shape, max_axes=max_axes):
         if view.shape[0] == 1 and view.shape[1] > 1:
             views.append(LogicalMesh((view.shape[1], 1), view.alpha[::-1], view.beta[::-1], view.memory_per_device,
                                      view.device_ids, view.topology))

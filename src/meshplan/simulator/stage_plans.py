@@ -185,4 +185,4 @@ def block_runs(job: TrainingJob, blocks: dict, first: int, last: int) -> list[tu
 
 
 def _mesh(cluster: Cluster, stage: Stage) -> LogicalMesh:
-    return next(v for v in planner_views(cluster, stage.submesh) if v.shape == stage.logical_mesh)
+    return next(v for v in planner_views(cluster, stage.submesh, max_axes=3) if v.shape == stage.logical_mesh)
