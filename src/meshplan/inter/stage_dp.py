@@ -187,14 +187,21 @@ class _BandTable:
             # to s * largest devices: the rest of F(s, ., .) stays inf without being computed.
             k_lo, k_hi = max(0, k_all - s * longest), k_all - s
             d_lo, d_hi = s * smallest, min(d_all, s * largest)
-            if k_hi < 0 or d_lo > d_all:
+            # Only sums onto a finite F(s - 1, k + n, d - size) can be finite: the rows and
+            # columns of F(s, ., .) no stage reaches from one stay inf without being computed.
+            reached = np.isfinite(f_prev)
+            rows, cols = np.flatnonzero(reached.any(axis=1)), np.flatnonzero(reached.any(axis=0))
+            if k_hi < 0 or d_lo > d_all or not rows.size:
                 break
             for m, size in enumerate(self.sizes):
-                c0, c1 = max(int(size), d_lo), d_hi + 1
+                c0, c1 = max(int(size), d_lo, int(cols[0]) + size), min(d_hi, int(cols[-1]) + size) + 1
                 spans = np.flatnonzero(usable[:, s, m]) + 1
                 spans = spans[spans <= k_all - k_lo]
-                if c0 < c1 and spans.size:
-                    self._relax(f_cur[k_lo:k_hi + 1, c0:c1], padded[:, c0 - size:c1 - size], spans, s, m, k_lo,
+                if c0 >= c1 or not spans.size:
+                    continue
+                first, last = max(k_lo, int(rows[0]) - int(spans[-1])), min(k_hi, int(rows[-1]) - int(spans[0]))
+                if first <= last:
+                    self._relax(f_cur[first:last + 1, c0:c1], padded[:, c0 - size:c1 - size], spans, s, m, first,
                                 t_max)
             history.append(f_cur)
             if f_cur[0, d_all] < best_value:
