@@ -76,10 +76,13 @@ def test_results_in_task_order_from_every_local_executor():
 
 def test_a_task_failing_every_time_is_named_and_the_others_finish():
     tasks = [Task(f"number {x}", "", x) for x in range(5)]
-    seen = []
+    seen, finished = [], []
     with TaskRunner(PoolExecutor(2), retries=2) as runner:
-        outcomes = run_tasks(fail_on_three, tasks, runner, lambda label, done, total: seen.append((done, total)))
+        outcomes = run_tasks(fail_on_three, tasks, runner, lambda label, done, total: seen.append((done, total)),
+                             finished=lambda i, outcome: finished.append((i, outcome)))
     assert [o.ok for o in outcomes] == [True, True, True, False, True]
+    # Each task's final outcome is told once, the failed one only after its last attempt.
+    assert sorted(finished, key=lambda f: f[0]) == list(enumerate(outcomes))
     assert outcomes[3].name == "number 3" and outcomes[3].attempts == 3
     assert outcomes[3].error == "ValueError: three is not allowed"
     assert seen[-1] == (5, 5) and [d for d, _ in seen] == [1, 2, 3, 4, 5]  # progress counts tasks
@@ -98,8 +101,11 @@ def test_cache_is_keyed_by_content_and_survives_a_bad_file(tmp_path):
     with TaskRunner(InProcessExecutor(), cache=cache) as runner:
         run_tasks(square, [Task("a", "key 3", 3), Task("b", "key 4", 4)], runner)
         assert runner.attempts == 2
-        outcomes = run_tasks(square, [Task("a", "key 3", 3), Task("c", "key 5", 5)], runner)
+        finished = []
+        outcomes = run_tasks(square, [Task("a", "key 3", 3), Task("c", "key 5", 5)], runner,
+                             finished=lambda i, outcome: finished.append(i))
         assert runner.attempts == 3 and outcomes[0].cached and outcomes[1].value == 25
+        assert finished == [0, 1]  # the cached one is told before any runs
     next(tmp_path.glob("*.pkl")).write_bytes(b"half-writ")  # a damaged entry is recomputed
     assert len(cache) == 3 and sum(cache.has(k) for k in ("key 3", "key 4", "key 5")) == 2
 

@@ -39,6 +39,38 @@ def test_dp_equals_brute_force(instance):
         assert dp.total == pytest.approx(pipeline_latency([s.latency for s in dp.stages], microbatches))
 
 
+@st.composite
+def memory_bound_instances(draw):
+    """Tables shaped like real ones: a stage holds at most so many layers per device, fewer the
+    more micro-batches it keeps in flight (more stages after it), so F(s, k, d) is finite only
+    in a band of (k, d); the DP skips the rows and columns outside it."""
+    layers = draw(st.integers(3, 7))
+    sizes = draw(st.sampled_from([[1, 2, 4], [2, 4], [1, 2, 4, 8]]))
+    devices = draw(st.sampled_from([4, 6, 8]))
+    per_device = draw(st.sampled_from([0.5, 1.0, 1.5]))
+    rng = np.random.default_rng(draw(st.integers(0, 10**6)))
+    lat = np.full((layers, layers, len(sizes), layers + 1), np.inf)
+    for k in range(layers):
+        for i in range(k, layers):
+            for m, size in enumerate(sizes):
+                for left in range(1, layers + 1):
+                    if (i - k + 1) * (1 + 0.25 * left) <= 2 * per_device * size:
+                        lat[k, i, m, left] = (i - k + 1) * rng.uniform(0.9, 1.1) / size + 0.05
+    return lat, sizes, devices, draw(st.integers(1, 16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(memory_bound_instances())
+def test_dp_equals_brute_force_on_memory_bound_tables(instance):
+    lat, sizes, devices, microbatches = instance
+    dp = plan_stages(lat, sizes, devices, microbatches)
+    brute = brute_force_stages(lat, sizes, devices, microbatches)
+    assert (dp is None) == (brute is None)
+    if dp is not None:
+        assert dp.total == pytest.approx(brute.total, rel=1e-12)
+        assert sum(sizes[s.submesh] for s in dp.stages) == devices
+
+
 def textbook_table(layer_time=1.0, overhead=0.1):
     """4 equal layers on 1 host x 2 devices: a layer takes 1 on one device, 1/2 + 0.1 on two."""
     lat = np.full((4, 4, 2, 5), np.inf)

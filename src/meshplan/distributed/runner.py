@@ -18,6 +18,8 @@ from meshplan.distributed.executors import Executor, InProcessExecutor, TaskFunc
 from meshplan.errors import OptionsError
 
 Progress = Callable[[str, int, int], None]
+# Told each task's final outcome (its index in the task list) as soon as it has one.
+Finished = Callable[[int, "TaskOutcome"], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +83,12 @@ class TaskRunner:
 
 
 def run_tasks(fn: TaskFunction, tasks: Sequence[Task], runner: TaskRunner | None = None,
-              progress: Progress | None = None, label: str = "tasks") -> list[TaskOutcome]:
+              progress: Progress | None = None, label: str = "tasks",
+              finished: Finished | None = None) -> list[TaskOutcome]:
     """Run every task (cached ones are read, not run); failed attempts are retried up to
-    `runner.retries` times. Progress reports (label, tasks finished, tasks in all)."""
+    `runner.retries` times. Progress reports (label, tasks finished, tasks in all); `finished`
+    hears of each task's final outcome as it comes (callers start work that needs only some
+    tasks while the others run)."""
     runner = runner or TaskRunner()
     outcomes: list[TaskOutcome | None] = [None] * len(tasks)
     for i, task in enumerate(tasks):
@@ -91,6 +96,8 @@ def run_tasks(fn: TaskFunction, tasks: Sequence[Task], runner: TaskRunner | None
             value = runner.cache.get(task.key)
             if value is not MISSING:
                 outcomes[i] = TaskOutcome(task.name, value, cached=True)
+                if finished:
+                    finished(i, outcomes[i])
     done = sum(o is not None for o in outcomes)
     if progress and done:
         progress(label, done, len(tasks))
@@ -112,6 +119,8 @@ def run_tasks(fn: TaskFunction, tasks: Sequence[Task], runner: TaskRunner | None
                 continue
             else:
                 outcomes[i] = TaskOutcome(tasks[i].name, None, _headline(str(value)), attempts[i])
+            if finished:
+                finished(i, outcomes[i])
             done += 1
             if progress:
                 progress(label, done, len(tasks))

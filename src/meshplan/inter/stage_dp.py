@@ -169,16 +169,23 @@ class _BandTable:
 
     def solve(self, t_max: float) -> list[StageSlot] | None:
         """The least-sum plan whose stages all take at most t_max (None: none uses every device)."""
-        k_all, d_all = self.num_layers, self.num_devices
+        usable = self.fastest <= t_max  # [span - 1, s, m]
+        live = np.flatnonzero(usable.any(axis=(0, 1)))
+        if not live.size:
+            return None
+        # Devices in units of the common divisor of the sub-meshes some stage may use under t_max
+        # (whole nodes, often, once small sub-meshes are too slow): other columns are never
+        # reached, the reached ones get the same sums.
+        unit = math.gcd(*(int(self.sizes[m]) for m in live))
+        if self.num_devices % unit:
+            return None
+        sizes, k_all, d_all = self.sizes // unit, self.num_layers, self.num_devices // unit
         f_prev = np.full((k_all + 1, d_all + 1), INF)
         f_prev[k_all, 0] = 0.0
         history = [f_prev]
         best_s, best_value = 0, INF
-        largest, smallest = int(self.sizes.max()), int(self.sizes.min())
-        usable = self.fastest <= t_max  # [span - 1, s, m]
+        largest, smallest = int(sizes[live].max()), int(sizes[live].min())
         longest = int(np.flatnonzero(usable.any(axis=(1, 2))).max(initial=-1)) + 1
-        if longest == 0:
-            return None
         padded = np.full((2 * k_all + 1, d_all + 1), INF)  # F(s - 1, ., .) with inf rows past K
         for s in range(1, self.max_stages + 1):
             f_cur = np.full_like(f_prev, INF)
@@ -187,14 +194,22 @@ class _BandTable:
             # to s * largest devices: the rest of F(s, ., .) stays inf without being computed.
             k_lo, k_hi = max(0, k_all - s * longest), k_all - s
             d_lo, d_hi = s * smallest, min(d_all, s * largest)
-            if k_hi < 0 or d_lo > d_all:
+            # Only sums onto a finite F(s - 1, k + n, d - size) can be finite: the rows and
+            # columns of F(s, ., .) no stage reaches from one stay inf without being computed.
+            reached = np.isfinite(f_prev)
+            rows, cols = np.flatnonzero(reached.any(axis=1)), np.flatnonzero(reached.any(axis=0))
+            if k_hi < 0 or d_lo > d_all or not rows.size:
                 break
-            for m, size in enumerate(self.sizes):
-                c0, c1 = max(int(size), d_lo), d_hi + 1
+            for m in live:
+                size = int(sizes[m])
+                c0, c1 = max(size, d_lo, int(cols[0]) + size), min(d_hi, int(cols[-1]) + size) + 1
                 spans = np.flatnonzero(usable[:, s, m]) + 1
                 spans = spans[spans <= k_all - k_lo]
-                if c0 < c1 and spans.size:
-                    self._relax(f_cur[k_lo:k_hi + 1, c0:c1], padded[:, c0 - size:c1 - size], spans, s, m, k_lo,
+                if c0 >= c1 or not spans.size:
+                    continue
+                first, last = max(k_lo, int(rows[0]) - int(spans[-1])), min(k_hi, int(rows[-1]) - int(spans[0]))
+                if first <= last:
+                    self._relax(f_cur[first:last + 1, c0:c1], padded[:, c0 - size:c1 - size], spans, s, m, first,
                                 t_max)
             history.append(f_cur)
             if f_cur[0, d_all] < best_value:
@@ -202,7 +217,7 @@ class _BandTable:
             f_prev = f_cur
         if best_s == 0:
             return None
-        return self._backtrack(history, best_s, t_max)
+        return self._backtrack(history, best_s, t_max, sizes, live)
 
     def _relax(self, target: np.ndarray, previous: np.ndarray, spans: np.ndarray, s: int, m: int, k_lo: int,
                t_max: float) -> None:
@@ -221,17 +236,21 @@ class _BandTable:
             sums = bands[:, :, None] + previous[firsts[None, :] + part[:, None]]
             np.minimum(target, sums.min(axis=0), out=target)
 
-    def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float) -> list[StageSlot]:
-        stages, k, d = [], 0, self.num_devices
+    def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float, sizes: np.ndarray,
+                   live: np.ndarray) -> list[StageSlot]:
+        """The stages of F(num_stages, 0, D), sub-mesh sizes and D in the units `solve` used."""
+        stages, k, d = [], 0, history[0].shape[1] - 1
         for s in range(num_stages, 0, -1):
             target, before = history[s][k, d], history[s - 1]
-            stages.append(self._step(before, s, k, d, target, t_max))
-            k, d = stages[-1].last + 1, d - int(self.sizes[stages[-1].submesh])
+            stages.append(self._step(before, s, k, d, target, t_max, sizes, live))
+            k, d = stages[-1].last + 1, d - int(sizes[stages[-1].submesh])
         return stages
 
-    def _step(self, before: np.ndarray, s: int, k: int, d: int, target: float, t_max: float) -> StageSlot:
+    def _step(self, before: np.ndarray, s: int, k: int, d: int, target: float, t_max: float, sizes: np.ndarray,
+              live: np.ndarray) -> StageSlot:
         """The stage (k..i on m) that gives F(s, k, d) = target: the same sums as the forward pass."""
-        for m, size in enumerate(self.sizes):
+        for m in map(int, live):
+            size = int(sizes[m])
             if size > d:
                 continue
             for n in range(1, self.num_layers - k + 1):

@@ -35,7 +35,8 @@ def print_simulation(plan: Plan, console: Console | None = None) -> None:
         console.print(f"fastest recipe: {plan.option('best_recipe')}", highlight=False)
     phases = plan.metrics_under("planner_s.")
     text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
-    console.print(f"planner time: {text} (total {sum(phases.values()):.1f} s)", highlight=False)
+    # The layout search and the stage DP run while the workers price: the phases overlap.
+    console.print(f"planner time (phases overlap): {text}", highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
     console.print("details: meshplan report PLAN.json (write the plan with --out)", highlight=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -144,21 +145,29 @@ def default_runner(runner: TaskRunner | None, options: PlannerOptions) -> Iterat
 
 def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progress: Progress | None,
                    stats: PlannerStats, priced: Priced, runner: TaskRunner) -> PipelinePlan:
-    best = None
-    for b in planned_microbatch_sizes(job, cluster, options):
-        start = time.perf_counter()
+    sizes = planned_microbatch_sizes(job, cluster, options)
+    start = time.perf_counter()
+    for b in sizes:
         build_pieces(job, b)  # workers build their own copies
-        stats.timed("training graphs", start)
+    stats.timed("training graphs", start)
+    tasks = [t for b in sizes for t in auto_view_tasks(job, cluster, b, options) if t.key not in priced]
+    # The stage DP of a micro-batch size runs in a thread as soon as its views are priced, while
+    # the workers price the next sizes (it used to leave them idle); plans are the same.
+    with ThreadPoolExecutor(max_workers=1) as dp_thread:
+        dps = _StageDPs(job, cluster, options, priced, tasks, dp_thread)
         start = time.perf_counter()
-        tasks = [t for t in auto_view_tasks(job, cluster, b, options) if t.key not in priced]
-        priced.update(price_tasks(tasks, runner, progress, f"pricing sub-meshes, micro-batch {b}"))
+        for b in sizes:
+            dps.start_if_priced(b)
+        results = price_tasks(tasks, runner, progress, "pricing sub-meshes, micro-batches "
+                              + ", ".join(map(str, sizes)), dps.priced_one)
         stats.timed("intra-op ILPs", start)
-        start = time.perf_counter()
-        inter = plan_pipeline(layer_costs(job, b, priced), cluster, job.global_batch // b,
-                              inter_options(cluster, options))
-        stats.timed("stage DP", start)
-        if inter is not None and (best is None or inter.iteration_time < best.iteration_time):
-            best = PipelinePlan(inter, b)
+        priced.update(results)
+        best = None
+        for b in sizes:
+            inter, seconds = dps.running[b].result()
+            stats.phases["stage DP"] = stats.phases.get("stage DP", 0.0) + seconds
+            if inter is not None and (best is None or inter.iteration_time < best.iteration_time):
+                best = PipelinePlan(inter, b)
     if best is None:
         raise InfeasiblePlanError(no_fit_message_without_layouts(job, cluster, options))
     return best
@@ -177,6 +186,40 @@ def image_microbatch_candidates(global_batch: int, devices: int, limit: int) -> 
         return tuple(useful)
     return tuple(sorted({useful[round(i * (len(useful) - 1) / (limit - 1))] for i in range(limit)})) \
         if limit > 1 else (useful[len(useful) // 2],)
+
+
+class _StageDPs:
+    """Starts the stage DP of each micro-batch size once all its views are priced; its views
+    enter the DP in task order, as they would after pricing every size."""
+
+    def __init__(self, job: TrainingJob, cluster: Cluster, options: PlannerOptions, priced: Priced,
+                 tasks: list[PricingTask], thread: ThreadPoolExecutor) -> None:
+        self.job, self.cluster, self.options, self.priced, self.thread = job, cluster, options, priced, thread
+        self.order = {t.key: i for i, t in enumerate(tasks)}
+        self.waiting: dict[int, int] = {}
+        for t in tasks:
+            self.waiting[t.key.microbatch_size] = self.waiting.get(t.key.microbatch_size, 0) + 1
+        self.results: dict[int, list[PricingResult]] = {}
+        self.running: dict[int, Future] = {}
+
+    def priced_one(self, result: PricingResult) -> None:
+        b = result.key.microbatch_size
+        self.results.setdefault(b, []).append(result)
+        self.waiting[b] -= 1
+        self.start_if_priced(b)
+
+    def start_if_priced(self, b: int) -> None:
+        if self.waiting.get(b, 0) or b in self.running:
+            return
+        fresh = sorted(self.results.get(b, []), key=lambda r: self.order[r.key])
+        views = {**{k: r for k, r in self.priced.items() if k.microbatch_size == b}, **{r.key: r for r in fresh}}
+        self.running[b] = self.thread.submit(self._stage_dp, layer_costs(self.job, b, views), b)
+
+    def _stage_dp(self, costs: LayerCosts, b: int) -> tuple[InterPlan | None, float]:
+        start = time.perf_counter()
+        options = inter_options(self.cluster, self.options)
+        inter = plan_pipeline(costs, self.cluster, self.job.global_batch // b, options)
+        return inter, time.perf_counter() - start
 
 
 def planned_microbatch_sizes(job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from meshplan.cost.collectives import CollectiveCosts
 from meshplan.cost.fusion import FORWARD, fuse, is_attention, training_pass
 from meshplan.cost.kernels import KernelCosts
 from meshplan.cost.model import CostModel
-from meshplan.distributed import Task, TaskRunner, run_tasks
+from meshplan.distributed import Task, TaskOutcome, TaskRunner, run_tasks
 from meshplan.errors import InfeasiblePlanError
 from meshplan.inter.costs import LayerCost, TrainingParts, ViewCosts, layer_cost
 from meshplan.intra.options import IntraOptions
@@ -302,16 +302,23 @@ def task_key(task: PricingTask) -> str:
 
 
 def price_tasks(tasks: list[PricingTask], runner: TaskRunner | None, progress: Progress | None,
-                label: str) -> dict[ViewKey, PricingResult]:
+                label: str, finished: Callable[[PricingResult], None] | None = None
+                ) -> dict[ViewKey, PricingResult]:
     """Run tasks through `runner` (in this process when None); results keyed by each task's key.
-    A task that failed every attempt becomes a result without costs (not a candidate)."""
+    A task that failed every attempt becomes a result without costs (not a candidate).
+    `finished` hears of each result as soon as it is in."""
+
+    def tell(index: int, outcome: TaskOutcome) -> None:
+        if finished:
+            finished(_result(tasks[index], outcome))
+
     outcomes = run_tasks(price_task, [Task(task_name(t.key), task_key(t), t) for t in tasks], runner, progress,
-                         label)
-    results: dict[ViewKey, PricingResult] = {}
-    for task, outcome in zip(tasks, outcomes, strict=True):
-        if outcome.ok:
-            results[task.key] = outcome.value
-        else:
-            tries = f" after {outcome.attempts} attempts" if outcome.attempts > 1 else ""
-            results[task.key] = PricingResult(task.key, None, f"{outcome.error}{tries}")
-    return results
+                         label, tell)
+    return {task.key: _result(task, outcome) for task, outcome in zip(tasks, outcomes, strict=True)}
+
+
+def _result(task: PricingTask, outcome: TaskOutcome) -> PricingResult:
+    if outcome.ok:
+        return outcome.value
+    tries = f" after {outcome.attempts} attempts" if outcome.attempts > 1 else ""
+    return PricingResult(task.key, None, f"{outcome.error}{tries}")
