@@ -136,3 +136,28 @@ def test_interrupted_command_leaves_its_last_good_plan(tmp_path):
     data = json.loads(out.read_text())
     assert data["status"] in ("interrupted", "feasible")
     assert score(raw["problem"], data["solution"]) == (data["cost"], True)
+
+
+def test_mip_seeded_with_priced_rows_proves_the_same_optimum():
+    """The rows memory prices found binding, given to the MIP from its start, change what it
+    proves in no way, and spare the restarts that meeting them in its plans costs."""
+    from meshplan.intra.problem.memory import term_index
+    from meshplan.intra.search.lagrange import MemoryPricing
+    from meshplan.intra.search.local_search import least_memory_choice
+    from meshplan.intra.search.pairwise import pairwise_index
+
+    _, p = _problem(2, layers=4, ops_per_layer=3, mesh=(2, 4), tightness=0.2)  # unseeded: 2 runs
+    pre = presolve(p)
+    q = pre.problem
+    rows = memory_rows(q.memory.lo, q.memory.hi, pre.base, q.usage_limit)
+    block = replace(whole_block(pre, rows), offset=0.0)
+    terms = term_index(rows, q.memory.node, q.memory.usages, q.costs.ptr)
+    pricing = MemoryPricing(q, pairwise_index(q), terms, least_memory_choice(q, rows), True, np.random.default_rng(0))
+    for _ in range(12):
+        pricing.step(time.perf_counter() + 10)
+    binding = pricing.binding_rows()
+    assert len(binding) and (pricing.ever_priced[binding]).all() and len(pricing.binding_rows(most=1)) == 1
+    plain = solve_lazy(block, None, time.perf_counter() + 60)
+    seeded = solve_lazy(block, None, time.perf_counter() + 60, rows=binding)
+    assert plain.optimal and seeded.optimal and seeded.cost == pytest.approx(plain.cost, rel=1e-12)
+    assert seeded.runs <= plain.runs

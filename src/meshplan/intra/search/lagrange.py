@@ -80,6 +80,7 @@ class MemoryPricing:
         self.dual = EdgeDual(ix) if len(ix.forward) <= DUAL_MAX_ENTRIES else None
         self.lam = np.zeros(len(self.capacity))
         self.active = np.zeros(len(self.capacity), dtype=bool)
+        self.ever_priced = np.zeros(len(self.capacity), dtype=bool)  # rows that had a price: likely binding
         self.best = start.copy() if start_fits else None
         self.best_cost = problem.cost_of(start) if start_fits else np.inf
         self.bound, self.bound_prices = -np.inf, self.lam
@@ -99,6 +100,14 @@ class MemoryPricing:
         if cost < self.best_cost:
             self.best, self.best_cost = choice.copy(), cost
             self.x = choice.copy()
+
+    def binding_rows(self, most: int = 64) -> np.ndarray:
+        """Rows that have had a price (at most `most`: the highest-priced now first): the rows
+        a MIP should start with."""
+        rows = np.flatnonzero(self.ever_priced)
+        if len(rows) > most:
+            rows = np.sort(rows[np.argsort(-self.lam[rows], kind="stable")[:most]])
+        return rows
 
     def step(self, deadline: float) -> bool:
         """One round; whether it found a better feasible plan."""
@@ -130,6 +139,7 @@ class MemoryPricing:
         target = self.best_cost if np.isfinite(self.best_cost) else value * 1.5
         if norm > 0:
             self.lam = np.maximum(0.0, lam + self.alpha * max(target - value, 0.01 * abs(target)) / norm * direction)
+            self.ever_priced |= self.lam > 0
         improved = self._repair(deadline)
         self.stale += 1
         self.since_better = 0 if improved else self.since_better + 1

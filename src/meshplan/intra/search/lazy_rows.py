@@ -72,13 +72,18 @@ class LazyOutcome:
 
 
 def solve_lazy(block: Block, start: np.ndarray | None, deadline: float, hooks: Hooks | None = None,
-               hints: tuple[np.ndarray, ...] = (), mip_gap: float = 0.0) -> LazyOutcome:
+               hints: tuple[np.ndarray, ...] = (), mip_gap: float = 0.0,
+               rows: np.ndarray | None = None) -> LazyOutcome:
     """Row generation until `deadline` (perf_counter seconds); `start`: a feasible plan or None;
-    `hints`: plans (feasible or not) whose violated rows seed the first MIP."""
+    `hints`: plans (feasible or not) whose violated rows seed the first MIP; `rows`: more rows
+    for it (those memory prices found binding: each row a plan of the MIP breaks later costs
+    a restart, a root LP of 10-20 s on IOPDDL's D)."""
     state = _State(block, hooks or NoHooks())
     if start is not None:
         state.offer(start)
     selected = state.seed_rows(hints + ((start,) if start is not None else ()))
+    if rows is not None:
+        selected = np.union1d(selected, rows)
     edges = edge_part(block)
     runs, warm = 0, True
     while time.perf_counter() < deadline - 0.05:

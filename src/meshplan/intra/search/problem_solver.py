@@ -50,6 +50,8 @@ QUICK_MIP_COLUMNS = 20_000  # one worker: MIPs this small go first (HiGHS solves
 PRESOLVE_SHARE = 0.6  # presolve stops reducing after this share of the time limit
 END_SHARE = 0.01  # of the time limit, kept for ending
 ROUND_MARGIN = 1.5  # a round starts only if 1.5 times the longest round so far still fits
+SEED_ROUNDS = 12  # portfolio: pricing rounds the MIP's process runs first to learn the binding rows
+SEED_SHARE = 0.1  # ... within at most this share of its time
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +312,7 @@ def _one_worker(setting: _Setting, pricing: MemoryPricing, best: _Best, small: b
         return _Found(pricing.bound, optimal=True)
     if small:
         out = solve_lazy(_block(setting), best.choice, deadline, hints=(_cheap_plan(setting), pricing.x),
-                         mip_gap=setting.options.mip_gap)
+                         mip_gap=setting.options.mip_gap, rows=pricing.binding_rows())
         best.offer(out.choice, out.cost, "mip")
         stats.update(mip_rows=out.constraints, lazy_runs=out.runs, lazy_rows=out.rows)
         return _Found(max(pricing.bound, out.bound), out.optimal and out.cost <= best.cost, out.infeasible)
@@ -332,7 +334,9 @@ def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bo
     def exact(channel: Channel, deadline: float):
         hooks = ChannelHooks(channel, setting.problem.cost_of)
         if small:
-            out = solve_lazy(_block(setting), start_plan, deadline, hooks, hints, setting.options.mip_gap)
+            start, rows = _seed_by_prices(pricing, start_plan, deadline)
+            out = solve_lazy(_block(setting), start, deadline, hooks, hints + (pricing.x,), setting.options.mip_gap,
+                             rows)
             return out.choice, out.bound, out.optimal or out.infeasible
         if start_plan is None:  # the windows need a feasible plan: wait for the prices' first
             start = _first_offer(hooks, deadline)
@@ -354,6 +358,20 @@ def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bo
     bound = max(pricing.bound, result.bound)
     infeasible = result.optimal and best.choice is None
     return _Found(bound, best.cost - bound <= 1e-9 * max(abs(best.cost), 1.0), infeasible)
+
+
+def _seed_by_prices(pricing: MemoryPricing, start: np.ndarray | None,
+                    deadline: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """In the MIP's process (a forked copy of the prices): a few pricing rounds first, for a
+    better start and the rows that bind. Seeded with the rows of a memory-blind plan only, the
+    MIP on IOPDDL's D met two more binding rows in its plans, each a restart with a root LP of
+    12 s: three runs in its 34 s and no plan; seeded with the priced rows it runs once."""
+    until = time.perf_counter() + SEED_SHARE * max(deadline - time.perf_counter(), 0.0)
+    for _ in range(SEED_ROUNDS):
+        if time.perf_counter() >= until or pricing.closed:
+            break
+        pricing.step(until)
+    return (pricing.best if pricing.best is not None else start), pricing.binding_rows()
 
 
 def _first_offer(hooks: ChannelHooks, deadline: float) -> np.ndarray | None:
