@@ -2,7 +2,7 @@
 V100s to Llama-3.1-405B on 2,304 H100s, and the same plan from every executor.
 
 Cases (the issue's targets in brackets, on 2 cores):
-- llama2-13b on 50x4 V100-32GB, global batch 1000 x 4096 (<= 10 s);
+- llama2-13b on 50x4 V100-32GB, global batch 1000 x 4096 (<= 15 s, issue 19; an earlier issue asked 10 s);
 - llama2-70b on 128x8 A100-80GB, global batch 1024 x 4096 (<= 30 s);
 - llama3.1-405b on 288x8 H100-80GB, global batch 2304 x 8192 (<= 60 s);
 - mixtral-8x7b on 4x8 H100-80GB, global batch 256 x 4096 (<= 30 s);
@@ -39,7 +39,7 @@ from meshplan.simulator.analytic import search_layouts
 from common import RESULTS, save
 
 CASES = (
-    ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 10.0),
+    ("llama2-13b", 50, 4, "v100-32gb", 1000, 4096, 15.0),
     ("llama2-70b", 128, 8, "a100-80gb", 1024, 4096, 30.0),
     ("llama3.1-405b", 288, 8, "h100-80gb", 2304, 8192, 60.0),
     ("mixtral-8x7b", 4, 8, "h100-80gb", 256, 4096, 30.0),
