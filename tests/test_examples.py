@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
@@ -22,9 +20,9 @@ def run_example(name: str, *args: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("stages", ["auto", "uniform"])
-def test_pipeshard_gpt_example_trains(stages):
-    out = run_example("pipeshard_gpt.py", "--steps", "3", "--stages", stages)
+def test_pipeshard_gpt_example_trains():
+    # Its default, stages="auto"; uniform stages train like one device in tests/test_pipeshard*.py.
+    out = run_example("pipeshard_gpt.py", "--steps", "3")
     losses = [float(x) for x in re.findall(r"step \d+: loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "pipeshard plan:" in out and "stage 0: layer(s) 0" in out
