@@ -75,7 +75,7 @@ def block_training_graph(cfg: TransformerConfig, index: int, micro_batch: int, s
     first_weight = len(b)
     with b.layer(index):
         out = block(b, x, cfg, index)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _with_backward(b, out, [x], weights, optimizer)
 
 
@@ -109,8 +109,13 @@ def resnet_block_training_graph(cfg: ResNetConfig, index: int, micro_batch: int,
     first_weight = len(b)
     with b.layer(index):
         out = bottleneck(b, x, block, f"block{index}")
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _with_backward(b, out, [x], weights, optimizer)
+
+
+def _weights_since(b: GraphBuilder, first: int) -> list[int]:
+    """The parameters a piece's builder added from node `first` on: the piece's own weights."""
+    return [n for n in range(first, len(b)) if b.node(n).kind is OpKind.PARAMETER]
 
 
 def stem_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType = DType.F32,
@@ -120,7 +125,7 @@ def stem_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType = DTyp
                                     IMAGE_DIMS))
     first_weight = len(b)
     out = stem(b, images, cfg)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _with_backward(b, out, [], weights, optimizer)
 
 
@@ -133,7 +138,7 @@ def classifier_training_graph(cfg: ResNetConfig, micro_batch: int, dtype: DType 
     labels = _batch_input(b, weight(b, (micro_batch,), DType.I32, "labels", ("batch",)))
     first_weight = len(b)
     loss = classifier_loss(b, x, cfg, labels)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _finish(b, loss, [x], weights, optimizer)
 
 
@@ -154,7 +159,7 @@ def unet_block_training_graph(cfg: UNetConfig, index: int, micro_batch: int, dty
     with b.layer(index):
         name = cfg.kind_name(index)
         out = up_block(b, x, inputs[1], cfg, level, name) if role == "up" else down_block(b, x, cfg, level, name)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _with_backward(b, out, inputs, weights, optimizer)
 
 
@@ -165,7 +170,7 @@ def unet_stem_training_graph(cfg: UNetConfig, micro_batch: int, dtype: DType = D
                                     "images", IMAGE_DIMS))
     first_weight = len(b)
     out = unet_stem(b, images, cfg)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _with_backward(b, out, [], weights, optimizer)
 
 
@@ -177,7 +182,7 @@ def unet_head_training_graph(cfg: UNetConfig, micro_batch: int, dtype: DType = D
     targets = _batch_input(b, weight(b, (*shape, cfg.out_channels), dtype, "targets", IMAGE_DIMS))
     first_weight = len(b)
     loss = unet_head_loss(b, x, cfg, targets)
-    weights = [n for n in range(first_weight, len(b)) if b.node(n).kind is OpKind.PARAMETER]
+    weights = _weights_since(b, first_weight)
     return _finish(b, loss, [x], weights, optimizer)
 
 
