@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.intra.problem.arrays import MemoryTerms, Ragged, StrategyProblem, ragged_arange
+from meshplan.intra.problem.contract import Contraction, contract
 
 DOMINANCE_CANDIDATES = 48  # strategies tried as dominators per node: bounds the work per node
 DOMINANCE_WIDTH = 20_000  # nodes with wider comparison profiles (huge neighbourhoods) are skipped
@@ -69,14 +70,15 @@ class Presolved:
 class _Work:
     """The problem as mutable per-node and per-edge arrays while reductions run."""
 
-    def __init__(self, p: StrategyProblem, kept: list[np.ndarray]) -> None:
+    def __init__(self, c: Contraction, members: list[list[tuple[int, np.ndarray]]], fixed: dict[int, int]) -> None:
+        p = c.problem
         n = p.num_nodes
         self.alive = np.ones(n, dtype=bool)
         self.adj: list[dict[int, int]] = [{} for _ in range(n)]
         self.ends: dict[int, tuple[int, int]] = {}
         self.mat: dict[int, np.ndarray] = {}
         self.next_edge = 0
-        self.offset = 0.0
+        self.offset = c.offset
         self.clean: set[int] = set()  # edges checked since their matrix last changed
         self.touched: set[int] | None = None  # nodes changed since the last dominance pass (None: all)
         peeled = _bulk_peel(p)
@@ -92,11 +94,11 @@ class _Work:
         self.lo, self.hi = m.lo.copy(), m.hi.copy()
         self.use = [m.usages.row(t).copy() for t in range(len(m))]
         self.terms: list[list[int]] = [[] for _ in range(n)]
-        for t, v in enumerate(m.node):
+        for t, v in enumerate(m.node.tolist()):
             self.terms[v].append(t)
-        self.base: list[tuple[int, int, float]] = []
-        self.members: list[list[tuple[int, np.ndarray]]] = [[(v, kept[v])] for v in range(n)]
-        self.fixed: dict[int, int] = {}
+        self.base: list[tuple[int, int, float]] = list(zip(*(x.tolist() for x in c.base), strict=True))
+        self.members = members
+        self.fixed = fixed
         self.queue: deque[int] = deque(range(n))
         self.queued = np.ones(n, dtype=bool)
 
@@ -210,7 +212,7 @@ def presolve(problem: StrategyProblem, dominance_passes: int = 3, deadline: floa
         Infeasible: the forbidden strategies and pairs admit no assignment at all.
     """
     restricted, kept = _arc_consistent(problem)
-    w = _Work(restricted, kept)
+    w = _followers_contracted(restricted, kept)
     _run_queue(w, deadline)
     for _ in range(dominance_passes):
         if _late(deadline) or not _dominance_pass(w, deadline):
@@ -307,12 +309,22 @@ class _BulkPeel:
         values: the flat edge costs, minima moved out of the clean edges.
         zero: per edge, nothing is left of it (it can go).
         clean: per edge, nothing more to do with it (no forbidden row or column, no mapping).
+        rows_map, cols_map: per edge, every row (column) allows exactly one partner: the
+            first (second) node's strategy decides the other's.
+        row_partner, col_partner: per row (column) of every edge, numbered over all edges as
+            from `edge_rows` (`edge_cols`), the index of its last finite entry.
     """
 
     node_costs: np.ndarray
     values: np.ndarray
     zero: np.ndarray
     clean: np.ndarray
+    rows_map: np.ndarray
+    cols_map: np.ndarray
+    row_partner: np.ndarray
+    col_partner: np.ndarray
+    edge_rows: np.ndarray
+    edge_cols: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +409,8 @@ def _bulk_peel(p: StrategyProblem) -> _BulkPeel:
     pass instead of ~10 NumPy calls per edge (most of presolve's time on 68,635-edge D)."""
     values, costs = p.edge_costs.values.copy(), p.costs.values.copy()
     if p.num_edges == 0:
-        return _BulkPeel(costs, values, np.zeros(0, bool), np.zeros(0, bool))
+        none, z = np.zeros(0, bool), np.zeros(0, np.int64)
+        return _BulkPeel(costs, values, none, none, none, none, z, z, z, z)
     at = _entries(p)
     ku, kv = p.sizes[p.edge_nodes[:, 0]], p.sizes[p.edge_nodes[:, 1]]
     span, eptr = ku * kv, p.edge_costs.ptr[:-1]
@@ -407,8 +420,8 @@ def _bulk_peel(p: StrategyProblem) -> _BulkPeel:
     rows_ok = np.logical_or.reduceat(finite, at.row_starts)
     cols_ok = np.logical_or.reduceat(finite[at.transposed], at.col_starts)
     ok = np.logical_and.reduceat(rows_ok, at.edge_rows) & np.logical_and.reduceat(cols_ok, at.edge_cols)
-    mapping = (np.logical_and.reduceat(rows_single, at.edge_rows)
-               | np.logical_and.reduceat(cols_single, at.edge_cols))
+    rows_map = ok & np.logical_and.reduceat(rows_single, at.edge_rows)
+    cols_map = ok & np.logical_and.reduceat(cols_single, at.edge_cols)
     with np.errstate(invalid="ignore"):  # inf - inf in rows of edges that are not ok (left alone)
         row_min = np.minimum.reduceat(values, at.row_starts)
         row_min[~np.repeat(ok, ku)] = 0.0
@@ -420,7 +433,87 @@ def _bulk_peel(p: StrategyProblem) -> _BulkPeel:
     costs += np.bincount(at.row_strategy, weights=row_min, minlength=len(costs))
     costs += np.bincount(at.col_strategy, weights=col_min, minlength=len(costs))
     zero = ok & np.logical_and.reduceat(values == 0, eptr)
-    return _BulkPeel(costs, values, zero, ok & ~mapping & ~zero)
+    at_finite = np.flatnonzero(finite)
+    row_partner = np.zeros(len(at.row_starts), dtype=np.int64)
+    col_partner = np.zeros(len(at.col_starts), dtype=np.int64)
+    row_partner[at.row_of[at_finite]] = at.col_of[at_finite]  # global column numbers, made local below
+    col_partner[at.col_of[at_finite]] = at.row_of[at_finite]
+    row_partner -= np.repeat(at.edge_cols, ku)
+    col_partner -= np.repeat(at.edge_rows, kv)
+    return _BulkPeel(costs, values, zero, ok & ~rows_map & ~cols_map & ~zero, rows_map & ~zero, cols_map & ~zero,
+                     row_partner, col_partner, at.edge_rows, at.edge_cols)
+
+
+def _followers_contracted(p: StrategyProblem, kept: list[np.ndarray]) -> _Work:
+    """The work arrays of `p` with every follower merged into the node that decides it, and
+    every node with one strategy fixed, all at once (`contract`); `kept`: per node of `p`, its
+    strategies' indices in the original problem."""
+    peeled = _bulk_peel(p)
+    root, maps = _follower_maps(p, peeled)
+    flat = StrategyProblem(Ragged(peeled.node_costs, p.costs.ptr), p.edge_nodes,
+                           Ragged(peeled.values, p.edge_costs.ptr), p.memory, p.usage_limit, p.name)
+    c = contract(flat, root, maps)
+    members: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(c.problem.num_nodes)]
+    fixed: dict[int, int] = {}
+    for x, r in enumerate(c.root.tolist()):
+        original = kept[x][maps.row(x)]
+        if r < 0:
+            fixed[x] = int(original[0])
+        else:
+            members[r].append((x, original))
+    return _Work(c, members, fixed)
+
+
+def _follower_maps(p: StrategyProblem, peeled: _BulkPeel) -> tuple[np.ndarray, Ragged]:
+    """A forest of mapping edges (each node follows at most one other, no cycles: union-find
+    over the candidate edges) and, per node, its root and the map from the root's strategies
+    to its own. A tree whose root has one strategy is fixed (root -1)."""
+    n = p.num_nodes
+    parent = np.full(n, -1, dtype=np.int64)
+    link: list[np.ndarray | None] = [None] * n
+    group = list(range(n))
+
+    def find(x: int) -> int:
+        while group[x] != x:
+            group[x] = group[group[x]]
+            x = group[x]
+        return x
+
+    sizes = p.sizes
+    for e in np.flatnonzero(peeled.rows_map | peeled.cols_map).tolist():
+        u, v = p.edge_nodes[e].tolist()
+        if sizes[u] == 1 or sizes[v] == 1 or find(u) == find(v):
+            continue
+        for lead, follow, by_rows in ((u, v, True), (v, u, False)):
+            if parent[follow] < 0 and (peeled.rows_map[e] if by_rows else peeled.cols_map[e]):
+                first = (peeled.edge_rows if by_rows else peeled.edge_cols)[e]
+                link[follow] = (peeled.row_partner if by_rows else peeled.col_partner)[first:first + sizes[lead]]
+                parent[follow] = lead
+                group[find(follow)] = find(lead)
+                break
+    return _compose(parent, link, sizes)
+
+
+def _compose(parent: np.ndarray, link: list[np.ndarray | None], sizes: np.ndarray) -> tuple[np.ndarray, Ragged]:
+    """Per node its root and its strategy per strategy of the root, parents before children."""
+    n = len(parent)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for x, up in enumerate(parent.tolist()):
+        if up >= 0:
+            children[up].append(x)
+    root = np.arange(n, dtype=np.int64)
+    maps: list[np.ndarray] = [np.zeros(0, np.int64)] * n
+    stack = np.flatnonzero(parent < 0).tolist()
+    for r in stack:
+        maps[r] = np.arange(sizes[r], dtype=np.int64)
+    while stack:
+        x = stack.pop()
+        for y in children[x]:
+            root[y] = root[x]
+            maps[y] = link[y][maps[x]]
+            stack.append(y)
+    root[sizes[root] == 1] = -1
+    return root, Ragged.from_rows(maps, dtype=np.int64)
 
 
 def _dominance_pass(w: _Work, deadline: float | None) -> bool:
