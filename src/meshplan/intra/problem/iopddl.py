@@ -39,13 +39,22 @@ def read_iopddl(path: str | Path) -> StrategyProblem:
     path = Path(path)
     try:
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as handle:
-            data = json.load(handle)
+        with opener(path, "rb") as handle:
+            data = _parse_json(handle.read())
     except FileNotFoundError:
         raise ProblemError(f"no problem file {str(path)!r}") from None
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:  # JSON errors are ValueErrors
         raise ProblemError(f"not an IOPDDL problem (JSON, optionally gzipped): {exc} in {str(path)!r}") from None
     return problem_from_iopddl(data, default_name=path.name.split(".")[0])
+
+
+def _parse_json(raw: bytes) -> Any:
+    """orjson when installed (1.5 instead of 2.1 CPU seconds on D's 145 MB), else the standard library."""
+    try:
+        import orjson
+    except ImportError:
+        return json.loads(raw)
+    return orjson.loads(raw)
 
 
 def problem_from_iopddl(data: Any, default_name: str = "problem") -> StrategyProblem:
