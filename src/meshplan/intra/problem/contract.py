@@ -114,4 +114,5 @@ def _memory(p: StrategyProblem, owner: np.ndarray,
     fixed_usage = usage[~keep]  # one entry per fixed term
     memory = MemoryTerms(term_owner[varies], m.lo[varies], m.hi[varies],
                          Ragged(usage[keep], np.r_[0, np.cumsum(k[varies])]))
-    return memory, (m.lo[~varies], m.hi[~varies], fixed_usage)
+    used = fixed_usage != 0  # a zero term would only add a point where the base changes
+    return memory, (m.lo[~varies][used], m.hi[~varies][used], fixed_usage[used])
