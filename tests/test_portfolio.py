@@ -22,6 +22,7 @@ from meshplan.intra.problem.generate import GeneratorOptions, random_instance
 from meshplan.intra.problem.iopddl import problem_from_iopddl
 from meshplan.intra.problem.memory import memory_rows
 from meshplan.intra.problem.presolve import presolve
+from meshplan.intra.search.candidates import candidates_first, restrict
 from meshplan.intra.search.lazy_rows import NoHooks, solve_lazy
 from meshplan.intra.search.problem_solver import whole_block
 
@@ -83,6 +84,33 @@ def test_bounds_told_while_the_mip_runs_hold():
     out = solve_lazy(block, None, time.perf_counter() + 60, Recorder())
     assert out.optimal and len(told) > out.runs  # more than one per HiGHS run: told from inside runs
     assert told == sorted(told) and told[-1] <= out.cost * (1 + 1e-12)
+
+
+def test_candidate_strategies_map_plans_and_never_beat_the_optimum():
+    """The MIP over a few strategies per node: plans lift and lower without change of cost,
+    and from the optimum's plan or from nothing it ends at a feasible plan no better than the
+    optimum (it is no relaxation), the optimum itself when started there."""
+    raw, p = _problem(2, layers=4, ops_per_layer=3, mesh=(2, 4), tightness=0.2)
+    pre = presolve(p)
+    q = pre.problem
+    block = replace(whole_block(pre, memory_rows(q.memory.lo, q.memory.hi, pre.base, q.usage_limit)), offset=0.0)
+    exact = solve_lazy(block, None, time.perf_counter() + 60)
+    assert exact.optimal
+    score_of = np.random.default_rng(0).random(int(q.sizes.sum()))
+    r = restrict(block, score_of, (exact.choice,), per_node=2)
+    assert (r.block.sizes <= 3).all() and r.block.sizes.sum() < q.sizes.sum()
+    low = r.lower(exact.choice)
+    assert (r.lift(low) == exact.choice).all() and r.block.cost_of(low) == block.cost_of(exact.choice)
+    for start in (exact.choice, None):
+        found = candidates_first(block, score_of, start, time.perf_counter() + 30, NoHooks(), None, per_node=2)
+        if found is None:
+            assert start is None  # without a start the restriction may admit nothing
+            continue
+        assert found.shape == exact.choice.shape and block.cost_of(found) >= exact.cost * (1 - 1e-12)
+        full = pre.expand(found)
+        assert score(raw["problem"], full.tolist()) == (block.cost_of(found) + pre.offset, True)
+        if start is not None:
+            assert block.cost_of(found) == exact.cost
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -109,6 +109,12 @@ class MemoryPricing:
             rows = np.sort(rows[np.argsort(-self.lam[rows], kind="stable")[:most]])
         return rows
 
+    def scores(self) -> np.ndarray:
+        """Per flat strategy, its cost at the current prices plus what the dual's edges offer it
+        (the beliefs; without a dual, the priced cost alone): low is promising."""
+        priced = self.unary + self.terms.prices(self.lam)
+        return self.dual.beliefs(priced) if self.dual is not None else priced
+
     def step(self, deadline: float) -> bool:
         """One round; whether it found a better feasible plan."""
         self.rounds += 1
