@@ -212,8 +212,6 @@ def presolve(problem: StrategyProblem, dominance_passes: int = 3, deadline: floa
         Infeasible: the forbidden strategies and pairs admit no assignment at all.
     """
     restricted, kept = _arc_consistent(problem)
-    if _late(deadline):  # the bulk steps below cannot stop half-way (on D, loaded: 20 s past the deadline)
-        return _unreduced(restricted, kept)
     w = _followers_contracted(restricted, kept)
     _run_queue(w, deadline)
     for _ in range(dominance_passes):
@@ -222,14 +220,6 @@ def presolve(problem: StrategyProblem, dominance_passes: int = 3, deadline: floa
         _run_queue(w, deadline)
     reduced = _collect(w, problem)
     return _consistent(reduced) if _late(deadline) else reduced
-
-
-def _unreduced(p: StrategyProblem, kept: list[np.ndarray]) -> Presolved:
-    """`p` itself as the reduced problem (node x decides itself); `kept`: per node, its
-    strategies' indices in the original problem."""
-    z = np.zeros(0, dtype=np.int64)
-    return Presolved(p, 0.0, (z, z, np.zeros(0)), np.arange(p.num_nodes, dtype=np.int64),
-                     Ragged.from_rows(kept, dtype=np.int64))
 
 
 def _consistent(pre: Presolved) -> Presolved:
