@@ -166,6 +166,16 @@ def test_interrupted_command_leaves_its_last_good_plan(tmp_path):
     assert score(raw["problem"], data["solution"]) == (data["cost"], True)
 
 
+def test_hard_stop_ends_a_run_stuck_in_one_call():
+    """The command's last resort against running past its limit: a C call that holds the
+    interpreter (a signal handler would wait for it to return) is ended all the same."""
+    code = "from meshplan.cli import _hard_stop; _hard_stop(1.0); sum(range(10**12))"  # hours without it
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
+    began = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120, check=False)
+    assert proc.returncode != 0 and time.perf_counter() - began < 60
+
+
 def test_mip_seeded_with_priced_rows_proves_the_same_optimum():
     """The rows memory prices found binding, given to the MIP from its start, change what it
     proves in no way, and spare the restarts that meeting them in its plans costs."""

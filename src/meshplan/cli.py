@@ -139,25 +139,43 @@ def solve_problem_file(
     from meshplan.intra.search.problem_solver import ProblemOptions, solve_problem
 
     start = time.perf_counter() - _seconds_since_process_start()  # the limit counts Python's start too
-    problem = read_iopddl(path)
+    too_slow = MeshplanError(f"reading {path!r} took the whole --time-limit of {time_limit:g} s; raise it")
+
+    def reading_too_long(signum: int, frame: Any) -> None:
+        raise too_slow
+
+    _hard_stop(time_limit - (time.perf_counter() - start) - HARD_STOP_MARGIN)
+    before = signal.signal(signal.SIGALRM, reading_too_long)
+    signal.setitimer(signal.ITIMER_REAL, max(time_limit - (time.perf_counter() - start) - 0.5, 0.01))
+    try:
+        problem = read_iopddl(path)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
     left = time_limit - (time.perf_counter() - start) - _writing_margin(problem)
     if left <= 0:
-        raise MeshplanError(f"reading {path!r} took the whole --time-limit of {time_limit:g} s; raise it")
+        raise too_slow
     writer = SolutionWriter(out, problem)
 
     def interrupted(signum: int, frame: Any) -> None:
-        wrote = writer.flush("interrupted")
-        err.print(f"{problem.name}: interrupted; " + (f"wrote the best plan so far to {out}" if wrote else
-                                                       "no plan found yet, nothing written"))
+        timed_out = signum == signal.SIGALRM
+        wrote = writer.flush("feasible" if timed_out else "interrupted")
+        err.print(f"{problem.name}: " + ("time limit reached" if timed_out else "interrupted") + "; "
+                  + (f"wrote the best plan so far to {out}" if wrote else "no plan found yet, nothing written"))
         sys.stdout.flush()
         os._exit(0 if wrote else 1)  # leave now: the search's child processes die with this one
 
-    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
+    # the watchdog: a step that cannot stop half-way (a bulk presolve step, on a machine loaded
+    # 10 times over) must not carry the run past its limit; the plan held so far is written
+    signal.setitimer(signal.ITIMER_REAL, left + 0.5 * _writing_margin(problem))
     try:
         solution = solve_problem(problem, ProblemOptions(time_limit=left, backend=solver, seed=seed, workers=workers,
                                                          lockstep=lockstep), on_plan=writer.plan)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         write_json_atomic(out, solution_to_json(problem, solution))
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         for s, handler in previous.items():
             signal.signal(s, handler)
     cost = "no solution" if solution.cost is None else f"cost {solution.cost:,.0f}"
@@ -167,6 +185,19 @@ def solve_problem_file(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the answer is written: skip tearing down the problem's arrays (1.4 s on D, loaded)
+
+
+HARD_STOP_MARGIN = 0.3  # seconds before the limit at which a run that is still going is ended
+
+
+def _hard_stop(seconds: float) -> None:
+    """End the process after `seconds` even where no Python code runs (a signal handler waits
+    for the running C call: parsing D's JSON took 15 s at load 20): faulthandler's watchdog is
+    a C thread that needs no interpreter lock. The plans found were written as they came."""
+    import faulthandler
+    import os
+
+    faulthandler.dump_traceback_later(max(seconds, 0.01), exit=True, file=open(os.devnull, "w"))  # noqa: SIM115
 
 
 def _seconds_since_process_start() -> float:
