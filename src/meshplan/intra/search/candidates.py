@@ -22,7 +22,8 @@ from meshplan.intra.problem.arrays import Ragged, ragged_arange
 from meshplan.intra.search.lazy_rows import Hooks, solve_lazy
 from meshplan.intra.search.mip import Block
 
-CANDIDATES = 6  # strategies kept per node (besides those of the start)
+CANDIDATES = 6  # strategies kept per node besides the start's (on D after 4 pricing rounds: the best
+# known cost in 3 CPU s; with 8, in 7 CPU s; with 4, 1.06 times it)
 SMALLER = 0.6  # restrict only when at most this share of the strategies is kept
 
 

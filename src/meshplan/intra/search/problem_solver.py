@@ -53,6 +53,9 @@ END_SHARE = 0.01  # of the time limit, kept for ending
 ROUND_MARGIN = 1.5  # a round starts only if 1.5 times the longest round so far still fits
 SEED_ROUNDS = 12  # portfolio: pricing rounds the MIP's process runs first to learn the binding rows
 SEED_SHARE = 0.1  # ... within at most this share of its time
+SEED_MIN_ROUNDS = 4  # ... but at least this many (the candidates' scores need them: on D, from
+SEED_MOST_SHARE = 0.3  # zero prices the candidates' best plan cost 5.6 times the best known,
+# after 4 rounds the best known) unless they take more than this share
 CANDIDATES_SHARE = 0.6  # of the time left, at most for the MIP over the prices' candidate strategies
 
 
@@ -388,11 +391,12 @@ def _seed_by_prices(pricing: MemoryPricing, start: np.ndarray | None,
     better start and the rows that bind. Seeded with the rows of a memory-blind plan only, the
     MIP on IOPDDL's D met two more binding rows in its plans, each a restart with a root LP of
     12 s: three runs in its 34 s and no plan; seeded with the priced rows it runs once."""
-    until = time.perf_counter() + SEED_SHARE * max(deadline - time.perf_counter(), 0.0)
-    for _ in range(SEED_ROUNDS):
-        if time.perf_counter() >= until or pricing.closed:
+    now, left = time.perf_counter(), max(deadline - time.perf_counter(), 0.0)
+    until, longest = now + SEED_SHARE * left, now + SEED_MOST_SHARE * left
+    for done in range(SEED_ROUNDS):
+        if pricing.closed or time.perf_counter() >= (until if done >= SEED_MIN_ROUNDS else longest):
             break
-        pricing.step(until)
+        pricing.step(longest)
     return (pricing.best if pricing.best is not None else start), pricing.binding_rows()
 
 
