@@ -371,8 +371,9 @@ def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bo
 def _candidates_first(setting: _Setting, pricing: MemoryPricing, start: np.ndarray | None, deadline: float,
                       hooks: Hooks, rows: np.ndarray) -> np.ndarray | None:
     """Before the whole MIP, the MIP over each node's most promising strategies by the prices
-    (`candidates`) for at most CANDIDATES_SHARE of the time left: on IOPDDL's D (load 14) it
-    reached the best known cost in 20 s, where the whole MIP had not finished its root LP.
+    (`candidates`) for at most CANDIDATES_SHARE of the time left: on IOPDDL's D it reached the
+    best known cost in 3 CPU seconds (9 s at load 15), where the whole MIP had not finished its
+    root LP within the 60 s limit at load 10-18.
     Skipped in lockstep mode, where only the deadline may end a phase. Returns the better of
     `start` and its plan, for the whole MIP to start from."""
     if setting.options.lockstep:
