@@ -45,7 +45,8 @@ def _halo_split(node: Node, shape: tuple[int, ...], spec: ShardingSpec, windowed
                 ctx: RuleContext) -> tuple[int | None, Halo | None]:
     """The first windowed dim `spec` splits that a pooling may keep split (with its halo)."""
     ones = (1,) * node.rank
-    if node.kind is not OpKind.REDUCE_WINDOW or node.attr("base_dilation", ones) != ones:
+    if not ctx.config.halo_splits or node.kind is not OpKind.REDUCE_WINDOW \
+            or node.attr("base_dilation", ones) != ones:
         return None, None
     window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
     for dim in sorted(windowed):
