@@ -84,7 +84,8 @@ class ConvSlots:
         if not halos:
             return True
         (slot, axes), *more = halos
-        return ctx.config.halo_splits and not more and len(axes) == 1 and self.halo(slot, ctx.mesh.shape[axes[0]]) is not None
+        return (ctx.config.halo_splits and not more and len(axes) == 1
+                and self.halo(slot, ctx.mesh.shape[axes[0]]) is not None)
 
     def size(self, slot: Slot) -> int:
         group, i = slot
