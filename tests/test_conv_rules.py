@@ -193,8 +193,9 @@ def test_conv_gradient_graph_plans_in_seconds_with_kernel_models_and_a_forced_ba
     """The simulator's setting: GEMM-curve kernel models, fusion, the batch forced onto axis 0
     (traced from x's dim 0 through the convolutions and pooling): every forward conv splits the
     batch over axis 0, and, without spatial splits, the kernels' gradients all-reduce over it.
-    With them on offer the plan may only get cheaper (on this tiny graph it moves the first
-    kernel gradient onto split output channels, an all-to-all away: 0.3 % cheaper)."""
+    Spatial splits only add choices (the plan may only get cheaper; here it is 0.3 % cheaper with
+    none of them chosen: the first kernel gradient takes split output channels, an all-to-all
+    away, a layout the smaller space's optimum did not reach)."""
     from meshplan.cluster.devices import DEVICES
     from meshplan.cost.kernels import KernelCosts
     from meshplan.simulator.pricing import PiecePricing, piece_options

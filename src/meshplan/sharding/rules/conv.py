@@ -120,9 +120,15 @@ def conv_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
     require_all = ctx.config.contractions_use_all_axes
     if require_all is None:
         require_all = not ctx.model.compute_on  # free compute: replication would look free
-    assignments = [a for a in assign_axes(slots.slots, ctx.axes, require_all=require_all) if slots.offered(a, ctx)]
-    if not assignments:  # no split uses every axis (dims too small): allow idle axes
-        assignments = [a for a in assign_axes(slots.slots, ctx.axes) if slots.offered(a, ctx)]
+    # The splits without halos are chosen as if halos did not exist (so offering them only adds choices).
+    plain, halo = [], []
+    for a in assign_axes(slots.slots, ctx.axes, require_all=require_all):
+        if slots.offered(a, ctx):
+            (halo if any(group in HALO_SLOTS for group, _ in a) else plain).append(a)
+    if not plain:  # no split uses every axis (dims too small): allow idle axes
+        plain = [a for a in assign_axes(slots.slots, ctx.axes)
+                 if not any(group in HALO_SLOTS for group, _ in a) and slots.offered(a, ctx)]
+    assignments = plain + halo
     strategies = [s for a in assignments for s in _strategies(node, slots, a, ctx)]
     return NodeStrategies(node.id, tuple(keep_forced_batch(node, strategies, ctx)))
 
