@@ -8,7 +8,8 @@ are the planned ones, and no op of the step is planned as opaque.
 A spatially split plan (one image larger than its channels, four devices: the planner splits the
 image's rows, each convolution exchanging halo rows with its neighbours) trains like one device
 too, and its compiled collectives (collective-permutes for the halos, all-reduces for the kernel
-gradients' partial sums) are the planned ones; a forward pass with max pooling likewise.
+gradients' partial sums) are the planned ones; so on a 2x2 mesh with two images (images over
+axis 0, rows over axis 1), and for a forward pass with max pooling.
 
 ShardParallel runs on a 1-D mesh of 8 with slow compute (so it splits work: batch and channel
 splits, input-channel contractions all-reduced). PipeshardParallel cuts the ResNet's batch into one
@@ -110,14 +111,19 @@ def halo_train_step(params, image):
     return jax.value_and_grad(functools.partial(halo_loss, pool=False))(params, image)
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "forward-pool"])
-def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(train):
+@pytest.mark.parametrize(("train", "mesh_shape"), [(True, (4,)), (False, (4,)), (True, (2, 2))],
+                         ids=["train", "forward-pool", "train-2x2"])
+def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(train, mesh_shape):
+    """One image on 4 devices (rows split 4 ways), or two on a 2x2 mesh (images over axis 0,
+    rows over axis 1)."""
     rng = np.random.default_rng(5)
     params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
               "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
-    image = rng.standard_normal((1, 64, 64, 2)).astype(np.float32)
+    images = len(mesh_shape)
+    image = rng.standard_normal((images, 64, 64, 2)).astype(np.float32)
     step = halo_train_step if train else functools.partial(halo_loss, pool=True)
-    parallel = parallelize(step, method=ShardParallel(mesh_shape=(4,)), devices=jax.devices()[:4], cluster=SLOW4)
+    parallel = parallelize(step, method=ShardParallel(mesh_shape=mesh_shape), devices=jax.devices()[:4],
+                           cluster=SLOW4)
     got, want = parallel(params, image), jax.jit(step)(params, image)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -126,10 +132,11 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(trai
     assert len(convs) == (5 if train else 2)
     for conv in convs:
         kinds = [c.kind.value for c in conv.collectives]
-        if conv.shape[0] == 1:  # forward and input gradient: rows split, a halo from one or both neighbours
-            assert conv.output.dims[1] == (0,) and kinds and set(kinds) == {"collective-permute"}
+        rows = (len(mesh_shape) - 1,)  # the last mesh axis
+        if conv.shape[0] == images:  # forward and input gradient: rows split, a halo from one or both neighbours
+            assert conv.output.dims[1] == rows and kinds and set(kinds) == {"collective-permute"}
         else:  # a kernel gradient: rows split in the input and the cotangent, partial sums all-reduced
-            assert conv.operands[0].dims[1] == conv.operands[1].dims[1] == (0,) and kinds[-1] == "all-reduce"
+            assert conv.operands[0].dims[1] == conv.operands[1].dims[1] == rows and kinds[-1] == "all-reduce"
     if not train:  # the max pooling keeps the rows split, a halo row from each neighbour
         (pool,) = [n for n in nodes if n.op == "max" and n.shape == (1, 32, 32, 8) and n.collectives]
         assert [c.kind.value for c in pool.collectives] == ["collective-permute"] * 2
