@@ -65,7 +65,26 @@ def test_conv_value_flops_and_gradients_equal_lax(case):
     if xn in grads:
         np.testing.assert_allclose(values[grads[xn]], dx, rtol=1e-10, atol=1e-10)
     kernel_taps = np.prod(rhs_shape) // want.shape[graph[y].attr("out_spec")[1]]
-    assert node_flops(graph, graph[y]) == 2.0 * np.prod(want.shape) * kernel_taps
+    if kw.get("lhs_dilation") is None:
+        assert node_flops(graph, graph[y]) == 2.0 * np.prod(want.shape) * kernel_taps
+    else:
+        assert node_flops(graph, graph[y]) == 2.0 * _real_macs(x.shape, w.shape, dn, kw)
+
+
+def _real_macs(lhs_shape, rhs_shape, dn, kw):
+    """Multiply-adds that meet a real input entry, padding counted along undilated dims (as for
+    every undilated conv): the sum of the convolution of ones with ones, the undilated dims'
+    positive padding made of ones too (NCHW layouts only)."""
+    assert dn is None
+    pads, ones_pad = [], [(0, 0), (0, 0)]
+    for (lo, hi), d in zip(kw["padding"], kw["lhs_dilation"], strict=True):
+        keep = (lo, hi) if d > 1 else (min(lo, 0), min(hi, 0))
+        pads.append(keep)
+        ones_pad.append((lo - keep[0], hi - keep[1]))
+    ones = np.pad(np.ones(lhs_shape), ones_pad, constant_values=1.0)
+    with jax.enable_x64(True):
+        counts = _lax_conv(dn, {**kw, "padding": pads})(ones, np.ones(rhs_shape))
+    return float(np.sum(counts))
 
 
 POOLS = {
@@ -128,3 +147,21 @@ def test_conv_errors_name_the_rule():
         b.conv(x, b.parameter((6, 8, 3, 3)), padding="SAME", lhs_dilation=(2, 2))
     with pytest.raises(GraphError, match="unknown op"):
         b.reduce_window(x, "mean", (1, 1, 2, 2))
+
+
+def test_input_gradient_of_a_strided_conv_counts_only_taps_on_real_entries():
+    """x (1, 16, 16, 4), w 3x3x4x8, stride 2, SAME (padding (0, 1)). Per spatial dim the forward
+    pairs 8 outputs with 3 taps: 24 (output, tap) pairs, one on padding (output 7's tap 2 reads row
+    16), 23 on real rows. The input gradient convolves the cotangent dilated by 2 (15 rows, 7 of
+    them holes) with the flipped kernel: of its 16 outputs x 3 taps = 48 pairs per dim, exactly those
+    23 meet a real cotangent entry. So it makes 2 x 4 x 8 x 23² FLOPs, not 2 x 16² x 4 x 8 x 9 (4.4x
+    as many, and 4x the forward's 2 x 8² x 8 x 4 x 9)."""
+    b = GraphBuilder("strided")
+    x, w = b.parameter((1, 16, 16, 4), name="x"), b.parameter((3, 3, 4, 8), name="w")
+    y = b.conv(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    grads = append_backward(b, b.reduce(b.mul(y, y), (0, 1, 2, 3)), (x, w))
+    graph = b.build()
+    assert graph[grads[x]].attr("lhs_dilation") == (2, 2)
+    assert node_flops(graph, graph[y]) == 2 * 8 * 8 * 8 * 4 * 9
+    assert node_flops(graph, graph[grads[x]]) == 2 * 4 * 8 * 23 * 23
+    assert node_flops(graph, graph[grads[w]]) == 2 * 3 * 3 * 4 * 8 * 8 * 8  # every tap real: no dilated input

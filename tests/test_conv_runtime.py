@@ -5,6 +5,12 @@ plain jax.jit on one device: losses within 1e-5 relative, parameters within 1e-4
 error, batch statistics equal (1e-6 absolute). Under the SPMD methods the compiled collectives
 are the planned ones, and no op of the step is planned as opaque.
 
+A spatially split plan (one image larger than its channels, four devices: the planner splits the
+image's rows, each convolution exchanging halo rows with its neighbours) trains like one device
+too, and its compiled collectives (collective-permutes for the halos, all-reduces for the kernel
+gradients' partial sums) are the planned ones; so on a 2x2 mesh with two images (images over
+axis 0, rows over axis 1), and for a forward pass with max pooling.
+
 ShardParallel runs on a 1-D mesh of 8 with slow compute (so it splits work: batch and channel
 splits, input-channel contractions all-reduced). PipeshardParallel cuts the ResNet's batch into one
 micro-batch: BatchNorm's statistics over the batch would differ per micro-batch (such losses are
@@ -22,6 +28,8 @@ import pytest
 
 import conv_steps
 from meshplan.capture.jaxpr import UnsupportedPrimitiveWarning
+from meshplan.cluster.cluster import Cluster
+from meshplan.cluster.devices import DeviceSpec
 from meshplan.parallel import DataParallel, PipeshardParallel, ShardParallel, Zero3Parallel, parallelize
 from method_runs import SLOW
 
@@ -84,3 +92,53 @@ def test_flax_conv_steps_train_like_one_device(name, method):
     assert len(convs) >= 2 * len(kernels) - 1  # forward, kernel gradient, input gradient (not the stem's)
     if method in ("dp", "zero3"):  # each kernel gradient sums (or reduce-scatters) the devices' batch shares
         assert sum(bool(n.collectives) for n in convs) == len(kernels)
+
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+SLOW4 = Cluster(1, 4, DeviceSpec("slow-cpu", 1e8, float("inf"), 1e9, 1e-5, 1e9, 1e-5))
+
+
+def halo_loss(params, image, pool: bool):
+    """3x3 conv (stride 1) -> relu -> 3x3 conv (stride 2) [-> 3x3 max pool] -> mean square."""
+    h = jax.nn.relu(jax.lax.conv_general_dilated(image, params["w1"], (1, 1), "SAME", dimension_numbers=NHWC))
+    h = jax.lax.conv_general_dilated(h, params["w2"], (2, 2), "SAME", dimension_numbers=NHWC)
+    if pool:
+        h = jax.lax.reduce_window(h, -np.inf, jax.lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+    return jax.numpy.mean(h * h)
+
+
+def halo_train_step(params, image):
+    return jax.value_and_grad(functools.partial(halo_loss, pool=False))(params, image)
+
+
+@pytest.mark.parametrize(("train", "mesh_shape"), [(True, (4,)), (False, (4,)), (True, (2, 2))],
+                         ids=["train", "forward-pool", "train-2x2"])
+def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(train, mesh_shape):
+    """One image on 4 devices (rows split 4 ways), or two on a 2x2 mesh (images over axis 0,
+    rows over axis 1)."""
+    rng = np.random.default_rng(5)
+    params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
+              "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
+    images = len(mesh_shape)
+    image = rng.standard_normal((images, 64, 64, 2)).astype(np.float32)
+    step = halo_train_step if train else functools.partial(halo_loss, pool=True)
+    parallel = parallelize(step, method=ShardParallel(mesh_shape=mesh_shape), devices=jax.devices()[:4],
+                           cluster=SLOW4)
+    got, want = parallel(params, image), jax.jit(step)(params, image)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    nodes = parallel.get_plan().nodes
+    convs = [n for n in nodes if n.op == "conv"]
+    assert len(convs) == (5 if train else 2)
+    for conv in convs:
+        kinds = [c.kind.value for c in conv.collectives]
+        rows = (len(mesh_shape) - 1,)  # the last mesh axis
+        if conv.shape[0] == images:  # forward and input gradient: rows split, a halo from one or both neighbours
+            assert conv.output.dims[1] == rows and kinds and set(kinds) == {"collective-permute"}
+        else:  # a kernel gradient: rows split in the input and the cotangent, partial sums all-reduced
+            assert conv.operands[0].dims[1] == conv.operands[1].dims[1] == rows and kinds[-1] == "all-reduce"
+    if not train:  # the max pooling keeps the rows split, a halo row from each neighbour
+        (pool,) = [n for n in nodes if n.op == "max" and n.shape == (1, 32, 32, 8) and n.collectives]
+        assert [c.kind.value for c in pool.collectives] == ["collective-permute"] * 2
+    check = parallel.get_collectives()
+    assert check.agrees, (check.missing, check.unplanned)

@@ -35,6 +35,7 @@ class IntraOptions:
             leaves every choice to the cost model.
         gather_choices: see RuleConfig.
         fixed_specs: see RuleConfig.fixed.
+        halo_splits: see RuleConfig.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -51,6 +52,7 @@ class IntraOptions:
     layout: MethodLayout = MethodLayout.AUTO
     gather_choices: bool = False
     fixed_specs: tuple[tuple[int, ShardingSpec], ...] = ()
+    halo_splits: bool = True
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -63,7 +65,8 @@ class IntraOptions:
     @property
     def rules(self) -> RuleConfig:
         return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
-                          self.contractions_use_all_axes, self.reduce_scatter, self.gather_choices, self.fixed_specs)
+                          self.contractions_use_all_axes, self.reduce_scatter, self.gather_choices, self.fixed_specs,
+                          self.halo_splits)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

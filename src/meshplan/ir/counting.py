@@ -6,6 +6,7 @@ import math
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import Node, OpKind
+from meshplan.ir.windows import conv_tap_pairs
 
 # Ops that produce no arithmetic: they only move or name data.
 _DATA_MOVEMENT = {
@@ -24,9 +25,11 @@ def node_flops(graph: Graph, node: Node) -> float:
         lhs = graph[node.operands[0]]
         contracted = math.prod(lhs.shape[d] for d in node.attr("lhs_contracting"))
         return 2.0 * node.size * contracted
-    if node.kind is OpKind.CONV:  # each output entry: a multiply-add per kernel input feature and tap
-        kernel = graph[node.operands[1]]
-        return 2.0 * node.size * (kernel.size // max(kernel.shape[node.attr("rhs_spec")[0]], 1))
+    if node.kind is OpKind.CONV:  # each output entry: a multiply-add per kernel input feature and real tap
+        lhs, kernel = (graph[i] for i in node.operands)
+        spec = node.attr("rhs_spec")
+        features = kernel.shape[spec[1]]
+        return 2.0 * node.size * features * conv_tap_pairs(node, lhs.shape, kernel.shape)
     if node.kind is OpKind.REDUCE_WINDOW:  # one op per window entry of each output entry
         return float(node.size * math.prod(node.attr("window_dimensions")))
     if node.kind is OpKind.SELECT_AND_SCATTER_ADD:  # a comparison per window entry, an add per source entry

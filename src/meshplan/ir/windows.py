@@ -11,6 +11,7 @@ between entries), padded, and the dilated window (k - 1)·r + 1 slides with stri
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -166,3 +167,79 @@ def is_pointwise(node: Node, i: int, kernel_shape: Sequence[int]) -> bool:
     positions (kernel size 1, stride 1, no padding, no input dilation: a 1x1 convolution's)."""
     return (kernel_shape[node.attr("rhs_spec")[2 + i]] == 1 and node.attr("window_strides")[i] == 1
             and node.attr("padding")[i] == (0, 0) and node.attr("lhs_dilation")[i] == 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Halo:
+    """Rows of a windowed op's input each device needs from its neighbours when one spatial dim
+    is split in equal blocks: `left` rows from the device before it, `right` from the one after."""
+
+    left: int
+    right: int
+
+
+def spatial_halo(size: int, out_size: int, window: int, stride: int, padding: tuple[int, int],
+                 base_dilation: int, window_dilation: int, shards: int, split_window: bool = False) -> Halo | None:
+    """The halo of a spatial dim split over `shards` devices, or None when the split does not
+    keep each device's work next to its own rows: sizes that `shards` does not divide, blocks
+    that drift apart (input block · base dilation ≠ output block · stride), or a halo deeper
+    than a block (it would hop over several devices).
+
+    Each device holds a block of `size` / `shards` input rows and computes either a block of the
+    output (`split_window` False: the window slides over its rows) or, with `split_window`, every
+    output entry over a block of the window's taps (a kernel gradient whose window is the
+    cotangent: partial sums). Input row p sits at p · base_dilation + padding[0] in the padded
+    operand; output o with tap t reads o · stride + t · window_dilation there.
+    """
+    split = window if split_window else out_size
+    if shards < 2 or size % shards or split % shards:
+        return None
+    rows, block = size // shards, split // shards
+    if rows * base_dilation != block * (window_dilation if split_window else stride) or base_dilation > 1 < stride:
+        return None
+    left = right = 0
+    for j in range(shards):
+        if split_window:
+            first = j * block * window_dilation
+            last = (out_size - 1) * stride + (j * block + block - 1) * window_dilation
+        else:
+            first = j * block * stride
+            last = (j * block + block - 1) * stride + (window - 1) * window_dilation
+        need_first = -(-(first - padding[0]) // base_dilation)
+        need_last = (last - padding[0]) // base_dilation
+        if j > 0:
+            left = max(left, j * rows - need_first)
+        if j < shards - 1:
+            right = max(right, need_last - (j + 1) * rows + 1)
+    if left > rows or right > rows:
+        return None
+    return Halo(max(left, 0), max(right, 0))
+
+
+def conv_tap_pairs(node: Node, lhs_shape: Sequence[int], kernel_shape: Sequence[int]) -> float:
+    """Multiply-adds per output entry and kernel input feature of a convolution: its taps, less
+    those that land on the holes of a dilated input (an input gradient of a strided convolution
+    reads the cotangent dilated by the strides: most taps meet zeros, which no kernel multiplies).
+    Along a dilated dim only taps on real entries count (each is one multiply-add of the forward
+    convolution); along an undilated dim every tap counts, padding included, the usual convention
+    (ResNet-50's 4.09 G multiply-adds)."""
+    dims = ConvDims.of(node)
+    per_output = 1.0
+    for i in range(dims.spatial_rank):
+        window = kernel_shape[dims.rhs[2 + i]]
+        d = node.attr("lhs_dilation")[i]
+        if d == 1:
+            per_output *= window
+            continue
+        out_size = node.shape[dims.out[2 + i]]
+        hits = _real_taps(out_size, window, node.attr("window_strides")[i], node.attr("rhs_dilation")[i],
+                          node.attr("padding")[i][0], dilated(lhs_shape[dims.lhs[2 + i]], d), d)
+        per_output *= hits / max(out_size, 1)
+    return per_output
+
+
+@functools.cache
+def _real_taps(out_size: int, window: int, stride: int, window_dilation: int, lo: int, span: int, d: int) -> int:
+    """(output, tap) pairs of one dim that read a real entry of an input dilated by `d`."""
+    return sum(1 for o in range(out_size) for t in range(window)
+               if 0 <= (c := o * stride + t * window_dilation - lo) < span and c % d == 0)

@@ -41,6 +41,9 @@ class RuleConfig:
             vocabulary stays split through the cross-entropy).
         fixed: node id -> the output spec it must take (a given layout as fixed per-op
             strategies); nodes not listed choose freely.
+        halo_splits: convolutions and poolings may split a dim their window slides along
+            (spatial parallelism, halo exchanges priced; sharding/rules/conv.py); False keeps
+            such dims whole.
     """
 
     space: StrategySpace = StrategySpace.FULL
@@ -50,6 +53,7 @@ class RuleConfig:
     reduce_scatter: bool = False
     gather_choices: bool = False
     fixed: tuple[tuple[int, ShardingSpec], ...] = ()
+    halo_splits: bool = True
 
 
 @dataclass(slots=True)
