@@ -5,8 +5,10 @@ plain jax.jit on one device: losses within 1e-5 relative, parameters within 1e-4
 error, batch statistics equal (1e-6 absolute). Under the SPMD methods the compiled collectives
 are the planned ones, and no op of the step is planned as opaque.
 
-ShardParallel runs on a 1-D mesh of 8 with slow compute (so it splits work: batch and channel
-splits, input-channel contractions all-reduced). PipeshardParallel cuts the ResNet's batch into one
+ShardParallel runs with slow compute (so it splits work: batch and channel splits, input-channel
+contractions all-reduced) on a 1-D mesh of 8 and on a 2-D one ((2, 4) for the ResNet, (4, 2) for the
+CNN), where values change layouts between mesh axes: there the collective check holds because the
+runtime converts each value through the steps the plan priced (`sharding.spec.conversion_path`). PipeshardParallel cuts the ResNet's batch into one
 micro-batch: BatchNorm's statistics over the batch would differ per micro-batch (such losses are
 refused, tests/test_pipeshard_forms.py); the CNN runs 2 micro-batches.
 """
@@ -28,6 +30,7 @@ from method_runs import SLOW
 STEPS = 3
 METHODS = {"dp": lambda name: DataParallel(), "zero3": lambda name: Zero3Parallel(),
            "shard8": lambda name: ShardParallel(mesh_shape=(8,)),
+           "shard2d": lambda name: ShardParallel(mesh_shape=(2, 4) if name == "resnet" else (4, 2)),
            "pipeshard": lambda name: PipeshardParallel(1 if name == "resnet" else 2, layers="auto")}
 CASES = [(p, m) for p in ("resnet", "mnist") for m in METHODS]
 
@@ -59,7 +62,7 @@ def flat(tree) -> np.ndarray:
 def test_flax_conv_steps_train_like_one_device(name, method):
     step, state, _, batch = program(name)
     parallel = parallelize(step, method=METHODS[method](name), batch_argnums=(1,),
-                           cluster=SLOW if method == "shard8" else None)
+                           cluster=SLOW if method.startswith("shard") else None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsupportedPrimitiveWarning)  # nothing captured as opaque
         got_state, got = run(parallel, state, batch)
