@@ -8,9 +8,11 @@ are the planned ones, and no op of the step is planned as opaque.
 ShardParallel runs with slow compute (so it splits work: batch and channel splits, input-channel
 contractions all-reduced) on a 1-D mesh of 8 and on a 2-D one ((2, 4) for the ResNet, (4, 2) for the
 CNN), where values change layouts between mesh axes: there the collective check holds because the
-runtime converts each value through the steps the plan priced (`sharding.spec.conversion_path`). PipeshardParallel cuts the ResNet's batch into one
-micro-batch: BatchNorm's statistics over the batch would differ per micro-batch (such losses are
-refused, tests/test_pipeshard_forms.py); the CNN runs 2 micro-batches.
+runtime converts each value through the steps the plan priced (`sharding.spec.conversion_path`).
+
+PipeshardParallel cuts the ResNet's batch into one micro-batch: BatchNorm's statistics over the
+batch would differ per micro-batch (such losses are refused, tests/test_pipeshard_forms.py); the
+CNN runs 2 micro-batches.
 """
 
 from __future__ import annotations
