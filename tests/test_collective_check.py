@@ -16,7 +16,7 @@ from meshplan.runtime.diagnostics import compile_lowered
 from meshplan.runtime.hlo_collectives import CompiledCollective, axis_groups, hlo_collectives
 from meshplan.runtime.sharded import make_jax_mesh, partition_spec
 from meshplan.sharding.resharding import resharding_collectives
-from meshplan.sharding.spec import ShardingSpec, gathered_first
+from meshplan.sharding.spec import ShardingSpec, conversion_path
 
 HLO = "\n".join((
     "HloModule m",
@@ -103,7 +103,11 @@ def test_compare_applies_the_normalisation_and_names_the_rest():
 CONVERSIONS = [("S0RR", "RS0R"), ("S0RS1", "RS0S1"), ("S01RR", "RS01R"), ("RRS01", "S01RR"),  # all-to-all
                ("S0S1R", "RS1S0"), ("RS1R", "RS01R"), ("RS01R", "RS1R"),  # collective-permutes
                ("RRS01", "S1S0R"), ("S0S1R", "RRS01"), ("S1S0R", "RRR"), ("S01RR", "S0RR"),  # all-gathers
-               ("S01RR", "RRS0")]  # an all-gather, then an all-to-all
+               ("S01RR", "RRS0"),  # an all-gather, then an all-to-all
+               ("RRS1", "RRS0"), ("S1RR", "RS0R"),  # an all-gather, then a slice
+               # a slice over the added axis, then an all-to-all of the smaller shard (and a
+               # permute where the added axis lands before the moved one)
+               ("RRS1", "S01RR"), ("RRS1", "S1S0R"), ("RRS0", "S01RR"), ("RRS0", "RS01R"), ("RRS1", "S10RR")]
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
@@ -114,11 +118,13 @@ def test_resharding_is_priced_as_xla_emits_it(mesh_shape):
     named = lambda spec: NamedSharding(mesh, partition_spec(spec))  # noqa: E731
     for src, dst in CONVERSIONS:
         a, b = ShardingSpec.parse(src), ShardingSpec.parse(dst)
-        via = gathered_first(a, b, logical)  # the runtime converts through it, as the rule prices
+        path = conversion_path(a, b, logical)  # the runtime converts through it, as the rule prices
 
-        def convert(x, b=b, via=via, named=named):
-            x = x * 2 if via is None else jax.lax.with_sharding_constraint(x * 2, named(via))
-            return jax.lax.with_sharding_constraint(x, named(b)) + 1
+        def convert(x, path=path, named=named):
+            x = x * 2
+            for step in path:
+                x = jax.lax.with_sharding_constraint(x, named(step))
+            return x + 1
 
         fn = jax.jit(convert, in_shardings=named(a), out_shardings=named(b))
         compiled, diagnostics = compile_lowered(fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)))

@@ -11,10 +11,14 @@ too, and its compiled collectives (collective-permutes for the halos, all-reduce
 gradients' partial sums) are the planned ones; so on a 2x2 mesh with two images (images over
 axis 0, rows over axis 1), and for a forward pass with max pooling.
 
-ShardParallel runs on a 1-D mesh of 8 with slow compute (so it splits work: batch and channel
-splits, input-channel contractions all-reduced). PipeshardParallel cuts the ResNet's batch into one
-micro-batch: BatchNorm's statistics over the batch would differ per micro-batch (such losses are
-refused, tests/test_pipeshard_forms.py); the CNN runs 2 micro-batches.
+ShardParallel runs with slow compute (so it splits work: batch and channel splits, input-channel
+contractions all-reduced) on a 1-D mesh of 8 and on a 2-D one ((2, 4) for the ResNet, (4, 2) for the
+CNN), where values change layouts between mesh axes: there the collective check holds because the
+runtime converts each value through the steps the plan priced (`sharding.spec.conversion_path`).
+
+PipeshardParallel cuts the ResNet's batch into one micro-batch: BatchNorm's statistics over the
+batch would differ per micro-batch (such losses are refused, tests/test_pipeshard_forms.py); the
+CNN runs 2 micro-batches.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from method_runs import SLOW
 STEPS = 3
 METHODS = {"dp": lambda name: DataParallel(), "zero3": lambda name: Zero3Parallel(),
            "shard8": lambda name: ShardParallel(mesh_shape=(8,)),
+           "shard2d": lambda name: ShardParallel(mesh_shape=(2, 4) if name == "resnet" else (4, 2)),
            "pipeshard": lambda name: PipeshardParallel(1 if name == "resnet" else 2, layers="auto")}
 CASES = [(p, m) for p in ("resnet", "mnist") for m in METHODS]
 
@@ -67,7 +72,7 @@ def flat(tree) -> np.ndarray:
 def test_flax_conv_steps_train_like_one_device(name, method):
     step, state, _, batch = program(name)
     parallel = parallelize(step, method=METHODS[method](name), batch_argnums=(1,),
-                           cluster=SLOW if method == "shard8" else None)
+                           cluster=SLOW if method.startswith("shard") else None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsupportedPrimitiveWarning)  # nothing captured as opaque
         got_state, got = run(parallel, state, batch)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.inter.schedules import pipeline_latency
+from meshplan.inter.schedules import pipeline_latency, replayed_latency
 from meshplan.inter.stage_dp import brute_force_stages, plan_stages
 
 
@@ -26,17 +26,20 @@ def instances(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(instances())
-def test_dp_equals_brute_force(instance):
+@given(instances(), st.sampled_from([1, 1, 2, 3]))
+def test_dp_equals_brute_force(instance, chunks):
+    """Also interleaved (v chunks: v B in the DP's unit), where few micro-batches make the price
+    more than the closed form the DP's bounds use."""
     lat, sizes, devices, microbatches = instance
-    dp = plan_stages(lat, sizes, devices, microbatches)
-    brute = brute_force_stages(lat, sizes, devices, microbatches)
+    dp = plan_stages(lat, sizes, devices, chunks * microbatches, chunks=chunks)
+    brute = brute_force_stages(lat, sizes, devices, chunks * microbatches, chunks=chunks)
     assert (dp is None) == (brute is None)
     if dp is not None:
         assert dp.total == pytest.approx(brute.total, rel=1e-12)
         assert sum(sizes[s.submesh] for s in dp.stages) == devices
         assert dp.stages[0].first == 0 and dp.stages[-1].last == lat.shape[0] - 1
-        assert dp.total == pytest.approx(pipeline_latency([s.latency for s in dp.stages], microbatches))
+        latency = pipeline_latency([s.latency for s in dp.stages], microbatches, chunks)
+        assert dp.total == pytest.approx(chunks * latency)
 
 
 @st.composite
@@ -94,6 +97,21 @@ def test_textbook_two_device_pipeline(microbatches, stages):
     else:
         assert plan.total == pytest.approx(2 * microbatches + 2)
         assert [(s.first, s.last, s.submesh) for s in plan.stages] == [(0, 1, 0), (2, 3, 0)]
+
+
+def test_interleaved_with_fewer_micro_batches_than_stages_is_priced_as_replayed():
+    """4 layers on 4 devices, 2 chunks, B = 2. Four 1-device stages of t = 1: the fill-and-drain
+    form says 2 + 3 / 2 = 3.5, but the replayed schedule takes 4 + 1 / 2 = 4.5 (each micro-batch
+    passes every stage twice); two 2-device stages of t = 2 (0.5 + 0.3) = 1.6 take 2 * 1.6 + 1.6 / 2
+    = 4.0. The DP picks the two stages, at the replayed price."""
+    lat = textbook_table(overhead=0.3)
+    plan = plan_stages(lat, [1, 2], 4, 2 * 2, chunks=2)
+    assert [(s.first, s.last, s.submesh) for s in plan.stages] == [(0, 1, 1), (2, 3, 1)]
+    assert plan.total / 2 == pytest.approx(4.0)
+    assert plan.total / 2 == pytest.approx(replayed_latency("interleaved-1f1b", [1.6 / 3] * 2, [3.2 / 3] * 2, 2, 2))
+    four = pipeline_latency([1.0] * 4, 2, chunks=2)
+    assert four == pytest.approx(4.5)
+    assert four == pytest.approx(replayed_latency("interleaved-1f1b", [1 / 3] * 4, [2 / 3] * 4, 2, 2))
 
 
 def test_no_plan_when_nothing_fits():

@@ -140,7 +140,8 @@ def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[in
                           options.recompute, chunks, options.node_local_sends, options.link_efficiency,
                           options.overlap_tail)
     sizes = [n * m for n, m in shapes]
-    found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket)
+    found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
+                        chunks)
     if found is None:
         return None
     origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node,

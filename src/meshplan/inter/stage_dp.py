@@ -55,7 +55,7 @@ class StageCuts:
 
 
 def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num_microbatches: int,
-                relative_bucket: float = 0.0) -> StageCuts | None:
+                relative_bucket: float = 0.0, chunks: int = 1) -> StageCuts | None:
     """Best stage plan, or None when no plan uses every device within the latencies given.
 
     Args:
@@ -67,6 +67,8 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
         num_microbatches: B.
         relative_bucket: merge t_max candidates closer than this ratio (0 = exact); the plan
             found is then within that ratio of the optimum on the max term.
+        chunks: v model chunks per device (interleaved 1F1B): `num_microbatches` is then v·B and
+            the price v times the interleaved latency (`_cuts`).
     """
     lat = np.asarray(latency, dtype=float)
     sizes = np.asarray(sizes, dtype=int)
@@ -81,7 +83,7 @@ def plan_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int, num
     candidates = table.candidates()
     if relative_bucket > 0:
         candidates = _bucket(candidates, relative_bucket)
-    found = _branch_and_bound(table, candidates, num_microbatches)
+    found = _branch_and_bound(table, candidates, num_microbatches, chunks)
     if found is None:
         return None
     cuts, tried = found
@@ -99,7 +101,7 @@ def _bucket(values: np.ndarray, ratio: float) -> np.ndarray:
     return np.array(kept)
 
 
-def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatches: int
+def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatches: int, chunks: int = 1
                       ) -> tuple[StageCuts, int] | None:
     """min over t_max in `candidates` of S(t_max) + (B - 1) t_max, solving few of them (see the
     module docstring); returns the best plan and how many bounds were solved."""
@@ -109,7 +111,7 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
     tried = 1
     if first is None:
         return None
-    best = _cuts(first, num_microbatches)
+    best = _cuts(first, num_microbatches, chunks)
     # Runs [lo, hi) of candidates not yet settled, with S(c) >= upper_sum on all of them.
     runs: list[tuple[float, int, int, float]] = []
 
@@ -128,7 +130,7 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
         if solved is None:  # nothing fits under candidates[mid], so nothing under the smaller ones
             push(mid + 1, hi, upper_sum)
             continue
-        cuts = _cuts(solved, num_microbatches)
+        cuts = _cuts(solved, num_microbatches, chunks)
         if cuts.total < best.total - 1e-15 * abs(cuts.total):
             best = cuts
         solved_sum = sum(s.latency for s in solved)
@@ -143,8 +145,14 @@ def _below(candidates: np.ndarray, stages: list[StageSlot], index: int) -> int:
     return min(index, int(np.searchsorted(candidates, slowest, side="left")))
 
 
-def _cuts(stages: list[StageSlot], num_microbatches: int) -> StageCuts:
-    return StageCuts(tuple(stages), pipeline_latency([s.latency for s in stages], num_microbatches))
+def _cuts(stages: list[StageSlot], num_microbatches: int, chunks: int = 1) -> StageCuts:
+    """The stages priced in the DP's unit: with v chunks, v times the interleaved latency of
+    num_microbatches / v micro-batches, i.e. the closed form sum + (v B - 1) t_max the bounds use,
+    or more when there are fewer micro-batches than stages (`schedules.pipeline_latency`). The
+    price never falls below that closed form and grows with the sum and t_max alike, so the
+    bounds and the DP's argument stay exact."""
+    latencies = [s.latency for s in stages]
+    return StageCuts(tuple(stages), chunks * pipeline_latency(latencies, num_microbatches // chunks, chunks))
 
 
 class _BandTable:
@@ -261,7 +269,7 @@ class _BandTable:
 
 
 def brute_force_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: int,
-                       num_microbatches: int) -> StageCuts | None:
+                       num_microbatches: int, chunks: int = 1) -> StageCuts | None:
     """Exhaustive twin of `plan_stages` for tests: every cut, every sub-mesh per stage."""
     lat = np.asarray(latency, dtype=float)
     num_layers = lat.shape[0]
@@ -277,9 +285,9 @@ def brute_force_stages(latency: np.ndarray, sizes: Sequence[int], num_devices: i
                      for j, ((a, b), m) in enumerate(zip(cuts, meshes, strict=True))]
             if any(math.isinf(s.latency) for s in slots):
                 continue
-            total = pipeline_latency([s.latency for s in slots], num_microbatches)
-            if best is None or total < best.total:
-                best = StageCuts(tuple(slots), total)
+            priced = _cuts(slots, num_microbatches, chunks)
+            if best is None or priced.total < best.total:
+                best = priced
     return best
 
 

@@ -9,8 +9,8 @@ collectives"):
 1. combined collectives: XLA's combiners merge collectives of one kind over the same device
    groups into one instruction with several operands; each operand counts as one collective.
 2. one conversion per value and layout: a value resharded to one layout for several consumers
-   is converted once (the partitioner reuses it; the plan lists it per consumer edge), also when
-   two conversions share their first step (a gather, `sharding.spec.gathered_first`). A
+   is converted once (the runtime makes it once; the plan lists it per consumer edge), also when
+   two conversions share their first steps (e.g. a gather, `sharding.spec.conversion_path`). A
    broadcast is converted through its operand, so broadcasts of one operand converted alike
    share one collective.
 3. reduce-scatter on CPU: XLA's CPU backend emits a planned reduce-scatter as an all-reduce of
@@ -34,7 +34,7 @@ from typing import Any
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.intra.plan import ChosenStrategy, IntraPlan, Resharding
 from meshplan.runtime.hlo_collectives import CompiledCollective, hlo_collectives
-from meshplan.sharding.spec import gathered_first
+from meshplan.sharding.spec import collectives_per_step, conversion_path
 
 NORMALISATION = (
     "compiled: a combined collective (several operands in one instruction) counts once per operand",
@@ -199,21 +199,24 @@ def _per_axis(planned: PlannedCollective, left: Counter) -> bool:
 
 def _conversions(resharding: Resharding, producer: ChosenStrategy | None,
                  mesh: LogicalMesh) -> list[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-    """The conversions a resharding makes, each with its collectives: the producer's value from
-    one layout to another, in two steps when it is gathered first (`gathered_first`: one
-    all-gather per dim, then the rest); for a broadcast, its operand (the runtime converts the
-    operand and broadcasts again, so broadcasts of one operand converted alike share them)."""
+    """The conversions a resharding makes, each with its collectives: the producer's value
+    through each step of `conversion_path` (the runtime makes each step once per value and path
+    so far, so conversions that start alike share their first steps); for a broadcast, its
+    operand (the runtime converts the operand and broadcasts again, so broadcasts of one operand
+    converted alike share them)."""
     collectives = resharding.collectives
     if producer is not None and producer.op == "broadcast" and producer.operand_ids:
         return [(("operand", producer.operand_ids[0], tuple((c.kind, c.axes, c.nbytes) for c in collectives)),
                  collectives)]
-    src, dst = resharding.src, resharding.dst
-    via = gathered_first(src, dst, mesh)
-    if via is None:
-        return [((resharding.producer, src, dst), collectives)]
-    gathers = len({d for d, axes in enumerate(src.dims) if set(axes) - set(via.dims[d])})
-    return [((resharding.producer, src, via), collectives[:gathers]),
-            ((resharding.producer, via, dst), collectives[gathers:])]
+    path = conversion_path(resharding.src, resharding.dst, mesh)
+    counts = collectives_per_step(resharding.src, resharding.dst, mesh)
+    if sum(counts) != len(collectives):  # priced by another rule (Alpa's): one conversion
+        return [((resharding.producer, resharding.src, resharding.dst), collectives)]
+    found, start = [], 0
+    for n, count in enumerate(counts, 1):
+        found.append(((resharding.producer, resharding.src, path[:n]), collectives[start:start + count]))
+        start += count
+    return found
 
 
 def _planned(collective: Any, origin: str, backend: str) -> PlannedCollective:

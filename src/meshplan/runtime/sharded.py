@@ -22,7 +22,7 @@ from meshplan.errors import MeshError, PlanValidationError
 from meshplan.intra.plan import IntraPlan
 from meshplan.ir.node import OpKind
 from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered
-from meshplan.sharding.spec import ShardingSpec, gathered_first
+from meshplan.sharding.spec import ShardingSpec, conversion_path
 
 _AXIS_NAMES = ("x", "y", "z")
 
@@ -169,7 +169,9 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
     before the consumer runs: XLA then partitions the op as planned instead of picking its own
     algorithm for the mismatched layouts. A broadcast is converted as the plan prices it: its
     operand is converted and broadcast again (not the broadcast result, a tensor of the
-    activations' size)."""
+    activations' size). Each distinct conversion of a value is made once and shared by its
+    consumers: XLA does not merge repeated all-to-alls of one value (measured: an S01R -> RS0
+    conversion for two consumers ran its all-to-all twice)."""
     program, graph, logical = captured.program, captured.graph, plan.mesh
     specs = {c.node: c.output for c in plan.nodes}
     named = lambda spec: NamedSharding(mesh, partition_spec(spec))  # noqa: E731
@@ -180,8 +182,9 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(program.constants)
         env.update(zip(program.inputs, flat_args, strict=True))
+        converted: dict[tuple[Any, ...], Any] = {}
         for k, step in enumerate(program.steps):
-            ins = [_convert(env, vid, conversions.get((k, i))) for i, vid in enumerate(step.inputs)]
+            ins = [_convert(env, converted, vid, conversions.get((k, i))) for i, vid in enumerate(step.inputs)]
             outs = step.primitive.bind(*ins, **step.params)
             outs = outs if step.primitive.multiple_results else (outs,)
             for vid, value in zip(step.outputs, outs, strict=True):
@@ -193,12 +196,12 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class _Conversion:
-    """An operand converted for its consumer: constrained to `sharding`, through `via` first when
-    the plan gathers before slicing (`sharding.resharding.gathered_first`); a broadcast's operand
-    (value `source`) constrained to `source_sharding` first and broadcast again by `step`."""
+    """An operand converted for its consumer: constrained to each layout of `path` in turn (the
+    last is the one the consumer requires; the ones before are the steps the plan priced,
+    `sharding.spec.conversion_path`); a broadcast's operand (value `source`) constrained to
+    `source_sharding` first and broadcast again by `step`."""
 
-    sharding: NamedSharding
-    via: NamedSharding | None = None
+    path: tuple[NamedSharding, ...]
     step: Any = None
     source: int | None = None
     source_sharding: NamedSharding | None = None
@@ -221,9 +224,9 @@ def _conversions(captured: Captured, plan: IntraPlan, named: Any) -> dict[tuple[
             if spec is None or spec == chosen[producer].output or not is_placeable(
                     spec, tuple(program.avals[vid].shape), graph[producer].shape, logical):
                 continue
-            via = gathered_first(chosen[producer].output, spec, logical)
+            path = conversion_path(chosen[producer].output, spec, logical)
             found[(k, i)] = _rebroadcast(captured, producer, spec, made_by.get(vid), named) or _Conversion(
-                named(spec), None if via is None else named(via))
+                tuple(named(s) for s in path))
     return found
 
 
@@ -250,17 +253,27 @@ def _rebroadcast(captured: Captured, producer: int, spec: ShardingSpec, step: An
             or captured.value_nodes.get(step.inputs[0]) != node.operands[0]:
         return None
     operand = graph[node.operands[0]]
-    return _Conversion(named(spec), None, step, step.inputs[0],
+    return _Conversion((named(spec),), step, step.inputs[0],
                        named(spec.unbroadcast(node.attr("dims"), operand.shape, node.shape)))
 
 
-def _convert(env: dict[int, Any], vid: int, conversion: _Conversion | None) -> Any:
+def _convert(env: dict[int, Any], converted: dict[tuple[Any, ...], Any], vid: int,
+             conversion: _Conversion | None) -> Any:
+    """`env[vid]` converted as `conversion` says; each step made once per value and path so far
+    (`converted` keeps them), so conversions that start alike share their first steps."""
     if conversion is None:
         return env[vid]
-    if conversion.step is None:
-        return _constrain(_constrain(env[vid], conversion.via), conversion.sharding)
-    source = _constrain(env[conversion.source], conversion.source_sharding)
-    return _constrain(conversion.step.primitive.bind(source, **conversion.step.params), conversion.sharding)
+    start = (vid, conversion.source, conversion.source_sharding)
+    if start not in converted:
+        converted[start] = env[vid] if conversion.step is None else conversion.step.primitive.bind(
+            _constrain(env[conversion.source], conversion.source_sharding), **conversion.step.params)
+    value = converted[start]
+    for n, sharding in enumerate(conversion.path, 1):
+        key = (*start, conversion.path[:n])
+        if key not in converted:
+            converted[key] = _constrain(value, sharding)
+        value = converted[key]
+    return value
 
 
 def _constrain(value: Any, sharding: NamedSharding | None) -> Any:

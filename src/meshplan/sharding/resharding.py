@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import Collective, CollectiveKind
 from meshplan.cost.model import CostModel, ReshardingRule
-from meshplan.sharding.spec import ShardingSpec, gathered_first, moved_and_dropped
+from meshplan.sharding.spec import ShardingSpec, conversion_path, moved_and_dropped, permuted_axes
 
 
 def resharding_collectives(shape: Sequence[int], itemsize: int, src: ShardingSpec, dst: ShardingSpec,
@@ -40,13 +40,19 @@ def _alpa_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collectiv
 
 
 def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collective, ...]:
-    via = gathered_first(src, dst, mesh)
-    if via is not None:
-        return (*_exact_collectives(shape, itemsize, src, via, mesh, model),
-                *_exact_collectives(shape, itemsize, via, dst, mesh, model))
+    """Each step of `conversion_path` priced alone (the runtime constrains every step)."""
+    out, at = [], src
+    for step in conversion_path(src, dst, mesh):
+        out.extend(_step_collectives(shape, itemsize, at, step, mesh, model))
+        at = step
+    return tuple(out)
+
+
+def _step_collectives(shape, itemsize, src, dst, mesh, model) -> list[Collective]:
+    """One step: a permute, an all-to-all, all-gathers, or nothing (a local slice)."""
     moved, dropped = moved_and_dropped(src, dst, mesh)
     out = []
-    permuted = _permuted_axes(src, dst, mesh)
+    permuted = permuted_axes(src, dst, mesh)
     if permuted:  # at the finer of the two splits: slice first, or swap before gathering
         nbytes = min(_local_bytes(shape, itemsize, src, mesh), _local_bytes(shape, itemsize, dst, mesh))
         out.append(model.collectives.collective(CollectiveKind.COLLECTIVE_PERMUTE, mesh, permuted, nbytes))
@@ -60,20 +66,4 @@ def _exact_collectives(shape, itemsize, src, dst, mesh, model) -> tuple[Collecti
         gathered = gathered.without_axes(axes)
         out.append(model.collectives.collective(
             CollectiveKind.ALL_GATHER, mesh, axes, _local_bytes(shape, itemsize, gathered, mesh)))
-    return tuple(out)
-
-
-def _permuted_axes(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[int, ...]:
-    """Mesh axes whose devices must swap shards because a dim keeps some of its axes in another
-    order. A dim split over axes (a, b) is cut a-major: device (i, j) holds chunk i * |b| + j.
-    Slicing further (S0 -> S01) or gathering the minor axes (S01 -> S0) stays local, but S1 ->
-    S01 or S01 -> S1 leaves a device's chunk on another device: XLA swaps shards among the
-    devices of all the dim's axes with a collective-permute."""
-    permuted: set[int] = set()
-    for s, t in zip(src.dims, dst.dims, strict=True):
-        s = tuple(a for a in s if mesh.shape[a] > 1)
-        t = tuple(a for a in t if mesh.shape[a] > 1)
-        kept = tuple(a for a in s if a in t)
-        if kept and not (s[:len(kept)] == kept == t[:len(kept)]):
-            permuted.update(s + t)
-    return tuple(sorted(permuted))
+    return out

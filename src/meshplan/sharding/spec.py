@@ -109,18 +109,63 @@ class ShardingSpec:
                                   for part in re.findall(r"R|S\d+", text)))
 
 
+def conversion_path(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[ShardingSpec, ...]:
+    """The layouts a conversion from `src` passes through, in order, ending with `dst` (empty
+    when src == dst). The runtime constrains a value to each in turn and the resharding rule
+    prices each step, so XLA's partitioner makes the steps that were priced:
+
+    1. `gathered_first`: the dropped axes gathered (the moved ones too when they go apart).
+    2. `sliced_first`: while axes move, the axes `dst` adds are sliced locally first, so the
+       all-to-all carries the smaller shards (what XLA does unpinned; RRS1 -> S01RR: slice to
+       S0RS1, then one all-to-all over axis 1).
+    3. `dst`.
+    """
+    path, at = [], src
+    for first in (gathered_first, sliced_first):
+        step = first(at, dst, mesh)
+        if step is not None:
+            path.append(step)
+            at = step
+    return (*path, dst) if at != dst else tuple(path)
+
+
 def gathered_first(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> ShardingSpec | None:
     """The layout a conversion passes through when one collective cannot do it: the axes it
     drops are gathered first, then the rest exchanged (S01R -> RS0: gather axis 1, then move
-    axis 0); axes that leave one dim for several, or several dims for one, are gathered too and
-    the result sliced. XLA's partitioner has no collective for either and gathers the whole value
-    itself, calling it an involuntary rematerialization (measured on 8 CPU devices: S01RR ->
-    RRS0, RRS01 -> S1S0R, S0S1R -> RRS01); the runtime converts through this layout explicitly.
+    axis 0) or sliced (RRRS1 -> RRRS0: gather axis 1, then slice over axis 0); axes that leave
+    one dim for several, or several dims for one, are gathered too and the result sliced. XLA's
+    partitioner has no collective for the first kind and gathers the whole value itself, calling
+    it an involuntary rematerialization (measured on 8 CPU devices: S01RR -> RRS0, RRS01 ->
+    S1S0R, S0S1R -> RRS01); for the second it swaps shards and gathers over device groups of no
+    mesh axes (measured: RRRS1 -> RRRS0 on a (2, 4) mesh, a collective-permute and a 2-way
+    all-gather), which no plan prices. The runtime converts through this layout explicitly.
     None when one collective (or none) does it."""
     moved, dropped = moved_and_dropped(src, dst, mesh)
     if len({(src.dim_of_axis(a), dst.dim_of_axis(a)) for a in moved}) > 1:
         return src.without_axes(moved + dropped)
-    return src.without_axes(dropped) if moved and dropped else None
+    added = added_axes(src, dst, mesh)
+    return src.without_axes(dropped) if dropped and (moved or added) else None
+
+
+def sliced_first(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> ShardingSpec | None:
+    """`src` sliced over the axes `dst` adds (each appended to its dim in `dst`) when axes also
+    move (an all-to-all follows); None otherwise. XLA's partitioner slices first in this case
+    (measured on a (2, 4) mesh: RRS1 -> S01RR is one all-to-all over axis 1 of a quarter of the
+    replicated value's bytes; RRS0 -> S01RR an all-to-all over axis 0 and a collective-permute
+    that puts axis 0 before axis 1, each of the sliced shard's bytes)."""
+    moved, _ = moved_and_dropped(src, dst, mesh)
+    added = added_axes(src, dst, mesh)
+    if not moved or not added:
+        return None
+    dims = [list(axes) for axes in src.dims]
+    for axis in added:
+        dims[dst.dim_of_axis(axis)].append(axis)
+    return ShardingSpec(tuple(tuple(axes) for axes in dims))
+
+
+def added_axes(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> list[int]:
+    """Axes of `dst` (with more than one device) that split nothing in `src`."""
+    return [a for a in dst.axes() if mesh.shape[a] > 1 and src.dim_of_axis(a) is None]
 
 
 def moved_and_dropped(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[list[int], list[int]]:
@@ -135,6 +180,34 @@ def moved_and_dropped(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -
         elif target != src.dim_of_axis(axis):
             moved.append(axis)
     return moved, dropped
+
+
+def collectives_per_step(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[int, ...]:
+    """How many collectives the exact resharding rule (`sharding.resharding`) prices for each
+    step of `conversion_path`, in order: a collective-permute where `permuted_axes`, an
+    all-to-all where axes move, one all-gather per dim that drops axes."""
+    counts, at = [], src
+    for step in conversion_path(src, dst, mesh):
+        moved, dropped = moved_and_dropped(at, step, mesh)
+        counts.append(bool(permuted_axes(at, step, mesh)) + bool(moved) + len({at.dim_of_axis(a) for a in dropped}))
+        at = step
+    return tuple(counts)
+
+
+def permuted_axes(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[int, ...]:
+    """Mesh axes whose devices must swap shards because a dim keeps some of its axes in another
+    order. A dim split over axes (a, b) is cut a-major: device (i, j) holds chunk i * |b| + j.
+    Slicing further (S0 -> S01) or gathering the minor axes (S01 -> S0) stays local, but S1 ->
+    S01 or S01 -> S1 leaves a device's chunk on another device: XLA swaps shards among the
+    devices of all the dim's axes with a collective-permute."""
+    permuted: set[int] = set()
+    for s, t in zip(src.dims, dst.dims, strict=True):
+        s = tuple(a for a in s if mesh.shape[a] > 1)
+        t = tuple(a for a in t if mesh.shape[a] > 1)
+        kept = tuple(a for a in s if a in t)
+        if kept and not (s[:len(kept)] == kept == t[:len(kept)]):
+            permuted.update(s + t)
+    return tuple(sorted(permuted))
 
 
 def reshape_spec(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence[int],
