@@ -1,6 +1,7 @@
 """Resharding on 2-D and 3-D meshes: the conversions derived once per (spec pair, mesh shape) and
 the matrix pricer give the same collectives and the same floats as the per-pair derivation the
-planner used before (kept here, as it was, as the oracle), on every pair of layouts of a tensor."""
+planner used before (kept here, as it was, as the oracle; it shares only `_permuted_axes`), on
+every pair of layouts of a tensor."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import pytest
 from meshplan import LogicalMesh, ShardingSpec
 from meshplan.cluster import Cluster, get_device
 from meshplan.cost import CollectiveCosts, CollectiveKind, CostModel
-from meshplan.sharding.resharding import resharding_collectives, resharding_cost, resharding_cost_matrix
+from meshplan.sharding.resharding import (
+    _permuted_axes,
+    resharding_collectives,
+    resharding_cost,
+    resharding_cost_matrix,
+)
 from meshplan.sharding.spec import gathered_first, moved_and_dropped
 
 
@@ -35,7 +41,7 @@ def _oracle_exact(shape, itemsize, src, dst, mesh, model):
         return math.prod(spec.shard_shape(shape, mesh)) * itemsize
 
     out = []
-    permuted = _oracle_permuted(src, dst, mesh)
+    permuted = _permuted_axes(src, dst, mesh)  # unchanged: which axes a kept split reorders
     if permuted:
         out.append(model.collectives.collective(CollectiveKind.COLLECTIVE_PERMUTE, mesh, permuted,
                                                 min(local(src), local(dst))))
@@ -47,17 +53,6 @@ def _oracle_exact(shape, itemsize, src, dst, mesh, model):
         gathered = gathered.without_axes(axes)
         out.append(model.collectives.collective(CollectiveKind.ALL_GATHER, mesh, axes, local(gathered)))
     return tuple(out)
-
-
-def _oracle_permuted(src, dst, mesh):
-    permuted: set[int] = set()
-    for s, t in zip(src.dims, dst.dims, strict=True):
-        s = tuple(a for a in s if mesh.shape[a] > 1)
-        t = tuple(a for a in t if mesh.shape[a] > 1)
-        kept = tuple(a for a in s if a in t)
-        if kept and not (s[:len(kept)] == kept == t[:len(kept)]):
-            permuted.update(s + t)
-    return tuple(sorted(permuted))
 
 
 def _every_layout(rank: int, axes: int) -> list[ShardingSpec]:
