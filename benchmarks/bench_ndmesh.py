@@ -1,12 +1,14 @@
 """3-D logical views in the stage search: plan a job with the stage DP on 2-D views only
 (PlannerOptions.mesh_axes=2, Alpa's views) and with the 3-D views of stages of 8 or more devices
 too (mesh_axes=3); record both plans, the per-view price of one transformer block (the stage
-DP's input) and the planner seconds. Writes benchmarks/results/ndmesh.json.
+DP's input) and the planner seconds: wall and CPU (this process and the solver's forked children;
+on a shared machine the wall time counts other jobs). Writes benchmarks/results/ndmesh.json.
 Run: python benchmarks/bench_ndmesh.py [CASE ...]
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 import warnings
@@ -50,15 +52,16 @@ def _case(name: str, preset: str, nodes: int, per_node: int, device: str, seq: i
     for label, axes, chunks in (("2d", 2, (1, 2, 4)), ("3d", 3, (1, 2, 4)), ("2d_1f1b", 2, (1,))):
         options = PlannerOptions(mesh_axes=axes, workers=1, microbatch_sizes=sizes, chunks=chunks)
         priced: dict[ViewKey, object] = {}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         best = plan_training(job, cluster, options, None, PlannerStats(), priced, None)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         stages = [{"layers": [s.first, s.last], "submesh": list(s.submesh), "view": list(s.view),
                    "menu": s.menu, "recompute": s.recompute} for s in best.inter.stages]
         case[label] = {"iteration_time_s": best.iteration_time, "microbatch_size": best.microbatch_size,
                        "schedule": best.inter.schedule, "chunks": best.inter.chunks, "stages": stages,
-                       "planner_s": seconds, "views": _block_prices(priced)}
-        print(f"{name} {label}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s")
+                       "planner_s": seconds, "planner_cpu_s": cpu, "views": _block_prices(priced)}
+        print(f"{name} {label}: {best.iteration_time:.4f} s, stages {stages}, planner {seconds:.0f} s "
+              f"({cpu:.0f} s CPU)")
     case["speedup_3d_over_2d"] = case["2d"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
     case["speedup_3d_over_2d_1f1b"] = case["2d_1f1b"]["iteration_time_s"] / case["3d"]["iteration_time_s"]
     first = case["3d"]["stages"][0]
@@ -66,6 +69,12 @@ def _case(name: str, preset: str, nodes: int, per_node: int, device: str, seq: i
         case["3d"]["block_layout"] = _block_layout(job, cluster, tuple(first["submesh"]), tuple(first["view"]),
                                                    case["3d"]["microbatch_size"])
     return case
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (the ILP's forked exact side)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _block_layout(job: TrainingJob, cluster: Cluster, submesh: tuple[int, int], view: tuple[int, ...],

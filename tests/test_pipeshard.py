@@ -127,6 +127,8 @@ def test_uniform_stages_need_a_divisible_device_count():
     (dict(num_micro_batches=2, stages="even"), "stages='even'"),
     (dict(num_micro_batches=2, stage_sharding="tp"), "stage_sharding='tp'"),
     (dict(num_micro_batches=2, stages="auto", stage_mesh_shape=(2, 2)), "applies to stages='uniform'"),
+    (dict(num_micro_batches=2, stages="auto", mesh_axes=4), "mesh_axes=4"),
+    (dict(num_micro_batches=2, mesh_axes=3), r"3-D views for stages='auto'"),
 ])
 def test_bad_options_are_rejected(kwargs, message):
     with pytest.raises(OptionsError, match=message):

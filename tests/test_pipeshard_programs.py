@@ -285,3 +285,34 @@ def test_search_keeps_every_stage_within_the_memory_per_device():
     with pytest.raises(MeshError, match=r"no pipeline of the 2 layers on 8 devices fits in 0.001 GB per device"):
         parallelize(wide_mlp_loss, method=PipeshardParallel(4, stages="auto"), cluster=memory_cluster(1e6))(
             params, x, y)
+
+
+def tokens_mlp_loss(params, x, y):
+    return jnp.mean((jnp.tanh(jnp.tanh(x @ params[0]["w1"]) @ params[0]["w2"]) - y) ** 2)
+
+
+def test_search_with_three_axis_views_runs_a_2x2x2_stage_like_one_device():
+    """`mesh_axes=3`: the runtime's stage pricer also prices the 3-D view of the 8-device sub-mesh,
+    (2, 2, 2), as the simulator's stage search does. Two nodes of 4 with slow links between them
+    and latency-free links inside (so splitting the node's 4 devices into 2 x 2 costs no extra
+    step), micro-batches of 2 sequences of 256 tokens: the 3-D view (batch over the nodes, two
+    ways to split inside the node) is predicted fastest, runs as one stage on a 2x2x2 JAX mesh,
+    equals one device, and its compiled collectives are the planned ones."""
+    k = jax.random.split(jax.random.key(5), 4)
+    params = [{"w1": _normal(k[0], (512, 512)), "w2": _normal(k[1], (512, 512))}]
+    x, y = jax.random.normal(k[2], (4, 256, 512)), jax.random.normal(k[3], (4, 256, 512))
+    cluster = Cluster(2, 4, DeviceSpec("two nodes", 1e11, 1e12, 1e11, 0.0, 1e8, 1e-5))
+    f = parallelize(tokens_mlp_loss, method=PipeshardParallel(2, stages="auto", mesh_axes=3), cluster=cluster)
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(tokens_mlp_loss))(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    times = f.get_stage_search().layer_times(0)
+    assert (2, 2, 2) in times and times[(2, 2, 2)] < min(t for view, t in times.items() if view != (2, 2, 2))
+    (stage,) = f.get_plan().stages
+    assert stage.intra_plan.mesh.shape == (2, 2, 2)
+    layout = f.get_layouts()[0]
+    assert {a for c in layout.plan.nodes for a in c.output.axes()} == {0, 1, 2}
+    mesh = jax.tree_util.tree_leaves(layout.params)[0].mesh
+    assert mesh.axis_names == ("x", "y", "z")

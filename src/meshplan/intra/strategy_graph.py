@@ -17,7 +17,7 @@ from meshplan.cost.collectives import Collective
 from meshplan.cost.model import CostModel, ReshardingRule
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import OpKind
-from meshplan.sharding.resharding import resharding_collectives
+from meshplan.sharding.resharding import resharding_collectives, resharding_cost_matrix
 from meshplan.sharding.spec import ShardingSpec
 from meshplan.sharding.strategy import NodeStrategies
 
@@ -68,6 +68,7 @@ class StrategyGraph:
     forbidden: dict[int, set[int]] = field(default_factory=dict)
     _reshard_cache: dict = field(default_factory=dict)
     _cost_cache: dict = field(default_factory=dict)
+    _matrix_cache: dict = field(default_factory=dict)
 
     def size(self, group: int) -> int:
         return len(self.nodes[group].strategies)
@@ -79,26 +80,40 @@ class StrategyGraph:
     def reshard(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> tuple[Collective, ...]:
         if src is dst or src.dims == dst.dims:
             return ()
+        shape, dtype, (src, dst) = self._moved_value(producer, (src, dst))
+        if src.dims == dst.dims:
+            return ()
+        key = (shape, dtype, src.dims, dst.dims)
+        if key not in self._reshard_cache:
+            self._reshard_cache[key] = resharding_collectives(shape, dtype.itemsize, src, dst, self.mesh, self.model)
+        return self._reshard_cache[key]
+
+    def reshard_costs(self, producer: int, produced: list[ShardingSpec], required: list[ShardingSpec]) -> np.ndarray:
+        """[i, j]: `reshard_cost(producer, produced[i], required[j])`, priced as one matrix."""
+        shape, dtype, specs = self._moved_value(producer, (*produced, *required))
+        # Values of one shape meet the same spec lists again and again (a block's activations).
+        key = (shape, dtype, tuple(s.dims for s in specs), len(produced))
+        matrix = self._matrix_cache.get(key)
+        if matrix is None:
+            matrix = self._matrix_cache[key] = resharding_cost_matrix(
+                shape, dtype.itemsize, specs[:len(produced)], specs[len(produced):], self.mesh, self.model)
+        return matrix
+
+    def _moved_value(self, producer: int, specs: tuple[ShardingSpec, ...]):
+        """What a conversion of the producer's value moves: (shape, dtype, `specs` as layouts of it)."""
         node = self.graph[producer]
-        shape = node.shape
         if node.kind is OpKind.BROADCAST and self.model.resharding is ReshardingRule.EXACT:
             # A broadcast is fused into its consumers, never materialized: XLA converts its
             # operand (a bias, not the activation-sized result) and broadcasts again locally.
             operand = self.graph[node.operands[0]]
-            src, dst = (spec.unbroadcast(node.attr("dims"), operand.shape, node.shape) for spec in (src, dst))
-            node, shape = operand, operand.shape
-            if src.dims == dst.dims:
-                return ()
-        elif self.model.kernels is not None and node.kind is OpKind.BROADCAST:
+            return operand.shape, operand.dtype, tuple(spec.unbroadcast(node.attr("dims"), operand.shape, node.shape)
+                                                       for spec in specs)
+        if self.model.kernels is not None and node.kind is OpKind.BROADCAST:
             # Under kernel fusion a broadcast is never written: its (smaller) source moves and the
             # consumer's kernel broadcasts it again.
             kept = set(node.attr("dims"))
-            shape = tuple(size if d in kept else 1 for d, size in enumerate(node.shape))
-        key = (shape, node.dtype, src.dims, dst.dims)
-        if key not in self._reshard_cache:
-            self._reshard_cache[key] = resharding_collectives(shape, node.dtype.itemsize, src, dst, self.mesh,
-                                                              self.model)
-        return self._reshard_cache[key]
+            return tuple(size if d in kept else 1 for d, size in enumerate(node.shape)), node.dtype, specs
+        return node.shape, node.dtype, specs
 
     def once_per_iteration(self, node_id: int) -> float:
         """Weight of resharding into an optimizer-update node (it runs once per iteration)."""
@@ -211,8 +226,7 @@ def _reshard_matrix(sg: StrategyGraph, operand: int, produced: list[ShardingSpec
     """[produced i, required j] resharding costs, pricing each distinct spec pair once."""
     src, src_index = _distinct(produced)
     dst, dst_index = _distinct(required)
-    small = np.array([[sg.reshard_cost(operand, a, b) for b in dst] for a in src])
-    return small[np.ix_(src_index, dst_index)]
+    return sg.reshard_costs(operand, src, dst)[np.ix_(src_index, dst_index)]
 
 
 def _distinct(specs: list[ShardingSpec]) -> tuple[list[ShardingSpec], list[int]]:

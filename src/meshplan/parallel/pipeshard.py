@@ -82,6 +82,9 @@ class PipeshardParallel:
             along dim 0 over the stage's devices (params replicated, grads summed); "replicated".
         stage_mesh_shape: the logical mesh of every stage for "uniform" stages (default
             `default_mesh_shape` of the stage's device count).
+        mesh_axes: the logical views "auto" stages are priced on: 2, Alpa's 2-D views; 3, also
+            the 3-D views of sub-meshes of 8 or more devices (`Cluster.logical_views`), as
+            `meshplan simulate --mesh-axes 3` prices them.
         plan: a plan to run instead of planning (a JSON file's path or a Plan): one `get_plan()`
             returned (stages and stage layouts reused) or `meshplan simulate --out` wrote (stages,
             devices and logical meshes run, stage layouts planned here); refused with the reason
@@ -95,6 +98,7 @@ class PipeshardParallel:
     stage_sharding: Literal["auto", "data_parallel", "replicated"] = "auto"
     stage_mesh_shape: tuple[int, ...] | None = None
     plan: str | os.PathLike[str] | Plan | None = None
+    mesh_axes: Literal[2, 3] = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
@@ -108,6 +112,12 @@ class PipeshardParallel:
         if self.stage_sharding not in STAGE_SHARDINGS:
             raise OptionsError(f"PipeshardParallel(stage_sharding={self.stage_sharding!r}): use one of "
                                f"{list(STAGE_SHARDINGS)}")
+        if self.mesh_axes not in (2, 3):
+            raise OptionsError(f"PipeshardParallel(mesh_axes={self.mesh_axes!r}): use 2 (2-D logical views) or 3 "
+                               f"(also 3-D views of stages of 8 or more devices)")
+        if self.mesh_axes == 3 and self.stages != "auto":
+            raise OptionsError("PipeshardParallel(mesh_axes=3) chooses among 3-D views for stages='auto'; give "
+                               "other stages a 3-D mesh_shape instead")
         if self.plan is not None:
             if not isinstance(self.plan, (str, os.PathLike, Plan)):
                 raise OptionsError(f"PipeshardParallel(plan={self.plan!r}): give a plan file's path or a Plan")

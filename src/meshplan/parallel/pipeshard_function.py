@@ -438,8 +438,8 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
                           sum(int(np.prod(leaf.shape)) for leaf in weights.values()))
             stages = self._given.stages
         elif method.stages == "auto":
-            search = search_stages(layer_fns, params, micro_x, micro_t, len(devices),
-                                   method.num_micro_batches, method.options(self.costs), self.costs, method.schedule)
+            search = search_stages(layer_fns, params, micro_x, micro_t, len(devices), method.num_micro_batches,
+                                   method.options(self.costs), self.costs, method.schedule, method.mesh_axes)
             stages = search.stages
         else:
             stages = stage_assignments(method, len(params), len(devices))

@@ -3,7 +3,8 @@
 The layers are the pieces a loss function's `mark_pipeline_boundary` calls cut. The devices are
 seen as a cluster (DeviceCosts.cluster: nodes of `devices_per_node` consecutive devices), so the
 candidates are the simulator's: its sub-mesh shapes and their logical views (a size-1 axis
-dropped: a (1, 4) view runs as a 1-D mesh of 4). Each layer's forward + backward is planned by
+dropped: a (1, 4) view runs as a 1-D mesh of 4), with `mesh_axes=3` also the 3-D views of
+sub-meshes of 8 or more devices (`Cluster.logical_views`). Each layer's forward + backward is planned by
 the ILP on every view and its costs read off the plan (meshplan.inter.costs.layer_cost);
 identical layers (same jaxpr, same shapes) are planned once. `meshplan.inter.plan_pipeline`
 then picks the stages, sub-meshes and placement with the inter-op pass's memory rule (state
@@ -55,7 +56,7 @@ class StageSearch:
 
 def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], x: Any, targets: Any,
                   num_devices: int, num_micro_batches: int, options: IntraOptions,
-                  costs: DeviceCosts | None = None, schedule: str = "1f1b") -> StageSearch:
+                  costs: DeviceCosts | None = None, schedule: str = "1f1b", mesh_axes: int = 2) -> StageSearch:
     """Best stages for `layer_fns` on `num_devices` devices with `num_micro_batches` micro-batches.
 
     Args:
@@ -67,6 +68,7 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
         options: the intra-op ILP's options.
         costs: the devices' costs and memory; default the placeholders.
         schedule: the pipeline schedule (how many micro-batches each stage holds).
+        mesh_axes: 2 (2-D logical views) or 3 (also 3-D views of sub-meshes of 8+ devices).
 
     Raises:
         MeshError: no assignment of stages fits in the memory per device.
@@ -74,7 +76,8 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
     costs = costs or DeviceCosts()
     cluster = costs.cluster(num_devices)
     acts = chain_inputs(layer_fns, layer_params, x)
-    layer_costs = price_layers(layer_fns, layer_params, acts, targets, cluster, num_micro_batches, options)
+    layer_costs = price_layers(layer_fns, layer_params, acts, targets, cluster, num_micro_batches, options,
+                               mesh_axes)
     budget = math.inf if costs.memory_bytes is None else costs.memory_bytes
     inter = run_inter_pass(layer_costs, cluster, num_micro_batches,
                            InterOptions(capacity_bytes=budget, schedule=schedule, recompute=("none",)))
@@ -87,9 +90,11 @@ def search_stages(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequenc
 
 
 def price_layers(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence[Any], acts: list[Any],
-                 targets: Any, cluster: Cluster, num_micro_batches: int, options: IntraOptions) -> LayerCosts:
-    """Every layer's costs on every view of the cluster's sub-mesh shapes."""
-    views = [(shape, _squeezed(view)) for shape in cluster.submesh_shapes() for view in cluster.logical_views(shape)]
+                 targets: Any, cluster: Cluster, num_micro_batches: int, options: IntraOptions,
+                 mesh_axes: int = 2) -> LayerCosts:
+    """Every layer's costs on every view (of up to `mesh_axes` axes) of the cluster's sub-mesh shapes."""
+    views = [(shape, _squeezed(view)) for shape in cluster.submesh_shapes()
+             for view in cluster.logical_views(shape, max_axes=mesh_axes)]
     planned: dict[tuple[str, bool, bool], tuple[LayerCost, ...]] = {}  # identical layers: once
     per_layer = [_layer_costs(layer_fns, layer_params, acts, targets, k, [m for _, m in views], num_micro_batches,
                               options, planned) for k in range(len(layer_fns))]
