@@ -23,6 +23,9 @@ jax = pytest.importorskip("jax")
 
 MESH = LogicalMesh((2, 4), (1e-5, 1e-5), (1e-9, 1e-9))
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+# Collectives are placed by XLA's SPMD partitioner, before LLVM sees the program: compiling without
+# LLVM's optimizations finds the same collectives (checked on every GPT-3 and LLaMA block) in a third of the time.
+QUICK = {"xla_backend_optimization_level": 0}
 
 
 def _analysis(model: str, layers: int, train: bool = False):
@@ -51,7 +54,7 @@ def test_every_block_compiles_without_communication_inside(model, layers, part):
             planned = [c for v, s in enumerate(layouts) if cut.graph[v].kind in summing for c in s.collectives]
             assert all(c.kind is CollectiveKind.ALL_REDUCE for c in planned)
             program = lower(cut.graph, layouts, MESH, mesh)
-            hlo = program.jitted.lower(*program.abstract_args(cut.graph)).compile().as_text()
+            hlo = program.jitted.lower(*program.abstract_args(cut.graph)).compile(QUICK).as_text()
             found = COLLECTIVE.findall(hlo)
             where = f"block {block.index} {candidate.label} ({candidate.name})"
             assert set(found) <= {"all-reduce"}, where
@@ -72,13 +75,14 @@ def test_lowered_plan_matches_the_interpreter(model, train):
     layouts = a.node_strategies(choice)
     program = lower(a.graph, layouts, MESH, make_jax_mesh(MESH))
     args = program.example_args(a.graph, seed=3)
-    outs = program.jitted(*args)
+    compiled = program.jitted.lower(*args).compile(QUICK)
+    outs = compiled(*args)
     values = evaluate(a.graph, {p: np.asarray(x) for p, x in zip(program.parameters, args, strict=True)})
     assert len(outs) == len(a.graph.outputs) == (1 if not train else 1 + sum(
         n.kind is OpKind.PARAMETER for n in a.graph.nodes) - 2)  # x and every weight; not the cotangent
-    for out, v in zip(outs, a.graph.outputs, strict=True):
+    for out, v, sharding in zip(outs, a.graph.outputs, compiled.output_shardings, strict=True):
         np.testing.assert_allclose(np.asarray(out), values[v], rtol=2e-4, atol=2e-5)
-        assert out.sharding.spec == program.jitted.lower(*args).compile().output_shardings[0].spec or train
+        assert out.sharding.spec == sharding.spec
 
 
 def test_indexing_and_layout_ops_lower_like_the_interpreter():

@@ -29,13 +29,15 @@ def test_pipeshard_gpt_example_trains():
 
 
 def test_hf_flax_gpt2_example_trains_with_adamw():
-    out = run_example("hf_flax_gpt2.py", "--steps", "3", "--methods", "dp,zero3,pipeshard")
+    # The example runs every method through the same loop; dp stands for the data-parallel ones here.
+    # Each method trains this step like one device in tests/test_framework_models.py
+    # (test_adamw_steps_match_one_device: GPT-2 and AdamW under Shard/Data/Zero2/Zero3/TensorParallel).
+    out = run_example("hf_flax_gpt2.py", "--steps", "3", "--methods", "dp,pipeshard")
     losses = {}
-    for method in ("dp", "zero3", "pipeshard"):
+    for method in ("dp", "pipeshard"):
         losses[method] = [float(x) for x in re.findall(rf"{method} step \d+: loss (\d+\.\d+)", out)]
         assert len(losses[method]) == 3 and losses[method][-1] < losses[method][0]
-    for method in ("dp", "zero3"):
-        assert f"{method}: mesh (8,), batch args[2] i32[16, 32] (dim 0)" in out  # the ids, found as the batch
+    assert "dp: mesh (8,), batch args[2] i32[16, 32] (dim 0)" in out  # the ids, found as the batch
     assert losses["pipeshard"] == losses["dp"]  # printed to 4 decimals
     assert "pipeshard: stages layer 0 on devices (0, 1) as (2,), layer 1 on devices (2, 3)" in out
 

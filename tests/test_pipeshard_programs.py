@@ -11,6 +11,7 @@ is below that noise (one of the GPT's is -5e-9) takes a step of +-lr with a rand
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -122,14 +123,25 @@ PROGRAMS = {"mlp": mlp_program, "transformer": transformer_program, "gpt_adam": 
             "embedding": embedding_program, "gelu": gelu_program, "remat": remat_program}
 
 
-def train_pipelined(f, loss_fn, params, x, y, update):
+@functools.cache
+def program_of(name):
+    """PROGRAMS[name]() built once: the stage meshes and auto stages of one program share its one-device runs."""
+    return PROGRAMS[name]()
+
+
+@functools.cache
+def one_device_value_and_grad(name):
+    return jax.jit(jax.value_and_grad(program_of(name)[0]))
+
+
+def train_pipelined(f, name):
     """3 steps: pipelined loss and grads (checked against one device's at the same params), then
     `update` per layer on the layer's stage devices."""
+    _, params, x, y, update = program_of(name)
     states, losses = [None] * len(params), []
-    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
     for _ in range(STEPS):
         loss, grads = f(params, x, y)
-        want_loss, want_grads = value_and_grad(*jax.device_put((params, x, y), jax.devices()[0]))
+        want_loss, want_grads = one_device_value_and_grad(name)(*jax.device_put((params, x, y), jax.devices()[0]))
         np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
         for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
@@ -144,12 +156,14 @@ def train_pipelined(f, loss_fn, params, x, y, update):
     return params, losses
 
 
-def train_single_device(loss_fn, params, x, y, update):
+@functools.cache
+def train_single_device(name):
+    """The reference: 3 steps on one device, run once per program."""
+    _, params, x, y, update = program_of(name)
     params, x, y = jax.device_put((params, x, y), jax.devices()[0])
     states, losses = [None] * len(params), []
-    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
     for _ in range(STEPS):
-        loss, grads = value_and_grad(params, x, y)
+        loss, grads = one_device_value_and_grad(name)(params, x, y)
         stepped = [jax.jit(update)(p, g, s) for p, g, s in zip(params, grads, states, strict=True)]
         params, states = [p for p, _ in stepped], [s for _, s in stepped]
         losses.append(float(loss))
@@ -160,10 +174,9 @@ PARAM_TOL = {"gpt_adam": dict(rtol=1e-5, atol=2e-3)}  # 2 * Adam's lr, see the m
 
 
 def assert_same_training(method, program):
-    loss_fn, params, x, y, update = PROGRAMS[program]()
-    f = parallelize(loss_fn, method=method)
-    got, got_losses = train_pipelined(f, loss_fn, params, x, y, update)
-    want, want_losses = train_single_device(loss_fn, params, x, y, update)
+    f = parallelize(program_of(program)[0], method=method)
+    got, got_losses = train_pipelined(f, program)
+    want, want_losses = train_single_device(program)
     np.testing.assert_allclose(got_losses, want_losses, **TOL)
     for value, expected in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(value), np.asarray(expected), **PARAM_TOL.get(program, TOL))

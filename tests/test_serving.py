@@ -3,6 +3,8 @@ single-device generation token for token (and Hugging Face's own generate)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -15,30 +17,40 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 NEW_TOKENS = 32
 
 
-def prompt_batches():
-    """Four prompts of 8 tokens; two left-padded prompts of 6 and 3 tokens."""
-    full = np.asarray(jax.random.randint(jax.random.key(1), (4, 8), 0, VOCAB), np.int32)
-    padded = np.asarray(jax.random.randint(jax.random.key(2), (2, 6), 0, VOCAB), np.int32)
-    mask = np.array([[1] * 6, [0, 0, 0, 1, 1, 1]], np.int32)
-    return [(full, None), (np.where(mask == 1, padded, 0), mask)]
+def prompts():
+    """Four prompts in one batch (one plan and one compile per step): two of 8 tokens and two
+    left-padded ones of 5 and 2 tokens, so full and padded rows share the cache and the steps."""
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (4, 8), 0, VOCAB), np.int32)
+    mask = np.ones((4, 8), np.int32)
+    mask[2, :3] = mask[3, :6] = 0
+    return np.where(mask == 1, ids, 0), mask
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def model(request):
-    return gpt2(layers=2) if request.param == "gpt2" else llama(layers=2)
+@functools.cache
+def served(name):
+    """(model, planned server, one-device server), built once per module for both tests that generate."""
+    model = gpt2(layers=2) if name == "gpt2" else llama(layers=2)
+    return model, serve(model), Server.single_device(model)
 
 
-def test_greedy_generation_equals_one_device_token_for_token(model):
-    server, reference = serve(model), Server.single_device(model)
-    for ids, mask in prompt_batches():
-        got = server.generate(ids, NEW_TOKENS, attention_mask=mask)
-        want = reference.generate(ids, NEW_TOKENS, attention_mask=mask)
-        assert got.shape == (ids.shape[0], ids.shape[1] + NEW_TOKENS)
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(got[:, :ids.shape[1]], ids)
-        hf = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                            pad_token_id=0, eos_token_id=VOCAB).sequences  # no early stop: no id reaches VOCAB
-        np.testing.assert_array_equal(got, np.asarray(hf))  # Hugging Face's own greedy search agrees
+@pytest.fixture(scope="module", autouse=True)
+def _free_servers():
+    yield
+    served.cache_clear()  # their compiled steps are not needed past this module
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_greedy_generation_equals_one_device_token_for_token(name):
+    model, server, reference = served(name)
+    ids, mask = prompts()
+    got = server.generate(ids, NEW_TOKENS, attention_mask=mask)
+    want = reference.generate(ids, NEW_TOKENS, attention_mask=mask)
+    assert got.shape == (ids.shape[0], ids.shape[1] + NEW_TOKENS)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:, :ids.shape[1]], ids)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                        pad_token_id=0, eos_token_id=VOCAB).sequences  # no early stop: no id reaches VOCAB
+    np.testing.assert_array_equal(got, np.asarray(hf))  # Hugging Face's own greedy search agrees
     plans = server.get_plans()
     assert set(plans) == {"prefill", "decode"} and plans["prefill"].mesh.shape == plans["decode"].mesh.shape == (2, 4)
     assert plans["prefill"].graph_name == "prefill" and plans["decode"].graph_name == "decode"
@@ -49,16 +61,16 @@ def test_greedy_generation_equals_one_device_token_for_token(model):
 
 
 def test_sampled_generation_equals_one_device_with_the_same_seed():
-    model = gpt2(layers=2)
-    ids, _ = prompt_batches()[0]
-    server = serve(model)
-    got = server.generate(ids, 16, temperature=0.8, top_k=10, seed=7)
-    np.testing.assert_array_equal(got, Server.single_device(model).generate(ids, 16, temperature=0.8, top_k=10, seed=7))
-    assert not np.array_equal(got, server.generate(ids, 16, temperature=0.8, top_k=10, seed=8))
-    greedy = server.generate(ids, 16)
+    _, server, reference = served("gpt2")  # the greedy test's server: its greedy steps are compiled
+    ids, mask = prompts()
+    sample = dict(temperature=0.8, top_k=10, attention_mask=mask)
+    got = server.generate(ids, NEW_TOKENS, seed=7, **sample)
+    np.testing.assert_array_equal(got, reference.generate(ids, NEW_TOKENS, seed=7, **sample))
+    assert not np.array_equal(got, server.generate(ids, NEW_TOKENS, seed=8, **sample))
+    greedy = server.generate(ids, NEW_TOKENS, attention_mask=mask)
     assert not np.array_equal(got, greedy)
     stats = server.stats
-    assert stats.batch == 4 and stats.prompt_tokens == 8 and stats.new_tokens == 16
+    assert stats.batch == 4 and stats.prompt_tokens == 8 and stats.new_tokens == NEW_TOKENS
     assert stats.prefill_tokens_per_second > 0 and stats.decode_tokens_per_second > 0
 
 
