@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.ir.dimflow import reshape_groups
 
-
 _TEXT: dict[tuple[tuple[int, ...], ...], str] = {}  # ShardingSpec.__str__ by dims
 
 
