@@ -55,9 +55,11 @@ class LogicalMesh:
     device_ids: tuple[int, ...] = ()
     topology: MeshTopology | None = None
     _locality: dict[tuple[int, ...], int] = field(init=False, repr=False, compare=False, hash=False)
+    _priced: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_locality", {})
+        object.__setattr__(self, "_priced", {})
         shape = tuple(int(s) for s in self.shape)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
@@ -102,6 +104,16 @@ class LogicalMesh:
 
     def with_memory(self, memory_per_device: float | None) -> LogicalMesh:
         return LogicalMesh(self.shape, self.alpha, self.beta, memory_per_device, self.device_ids, self.topology)
+
+    def __reduce__(self):  # pickled without the caches (a plan's mesh travels between processes)
+        return LogicalMesh, (self.shape, self.alpha, self.beta, self.memory_per_device, self.device_ids, self.topology)
+
+    @property
+    def priced(self) -> dict:
+        """Costs computed on this mesh, for the cost model to remember (a pure function of the
+        mesh and the key it files them under; planning one graph asks for the same collective
+        thousands of times)."""
+        return self._priced
 
     def group_locality(self, axes: Sequence[int]) -> tuple[int, int]:
         """(ranks, ranks sharing a node) of the groups a collective over `axes` runs in: the

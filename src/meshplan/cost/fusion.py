@@ -29,6 +29,7 @@ loop and input fusion):
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from meshplan.ir.graph import Graph
@@ -88,6 +89,28 @@ class Fusion:
 
     def is_fused_attention(self, node_id: int) -> bool:
         return node_id in self.attention
+
+
+# The last few graphs' fused views, by graph identity (a Graph hashes all its nodes): a piece
+# is fused by its enumeration, its re-priced menu entries and its cost read-out, and a worker
+# prices one piece graph on many views.
+_FUSED: dict[tuple[int, bool], tuple[Graph, Fusion]] = {}
+_FUSED_KEPT = 16
+_FUSED_LOCK = threading.Lock()
+
+
+def fused(graph: Graph, flash: bool) -> Fusion:
+    """`fuse(graph, flash)`, remembered for the last few graphs of this process."""
+    key = (id(graph), flash)
+    found = _FUSED.get(key)
+    if found is not None and found[0] is graph:
+        return found[1]
+    fusion = fuse(graph, flash)
+    with _FUSED_LOCK:  # the planner's threads fuse too
+        if len(_FUSED) >= _FUSED_KEPT:
+            del _FUSED[next(iter(_FUSED))]
+        _FUSED[key] = (graph, fusion)
+    return fusion
 
 
 def fuse(graph: Graph, flash: bool) -> Fusion:

@@ -8,12 +8,13 @@ any assignment, used to report plans and as the brute-force oracle in tests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from meshplan.cluster.mesh import LogicalMesh
-from meshplan.cost.collectives import Collective
+from meshplan.cost.collectives import Collective, CollectiveCosts
 from meshplan.cost.model import CostModel, ReshardingRule
 from meshplan.ir.graph import Graph
 from meshplan.ir.node import OpKind
@@ -69,6 +70,7 @@ class StrategyGraph:
     _reshard_cache: dict = field(default_factory=dict)
     _cost_cache: dict = field(default_factory=dict)
     _matrix_cache: dict = field(default_factory=dict)
+    _signatures: dict = field(default_factory=dict)
 
     def size(self, group: int) -> int:
         return len(self.nodes[group].strategies)
@@ -120,14 +122,27 @@ class StrategyGraph:
         return self.model.accumulation_weight if self.graph[node_id].attr("per_iteration") else 1.0
 
     def reshard_cost(self, producer: int, src: ShardingSpec, dst: ShardingSpec) -> float:
-        # Memoized per producer and spec pair: building the graph asks for the same pair
-        # hundreds of thousands of times, and a spec is its dims alone.
-        key = (producer, src.dims, dst.dims)
+        # Memoized per producer signature and spec pair: building the graph asks for the same
+        # pair hundreds of thousands of times, a spec is its dims alone, and the many producers
+        # of one shape (a layer's activations, its weights and their gradients) cost alike.
+        signature = self._signatures.get(producer)
+        if signature is None:
+            signature = self._signatures[producer] = self._signature(producer)
+        key = (signature, src.dims, dst.dims)
         cost = self._cost_cache.get(key)
         if cost is None:
             collectives = self.reshard(producer, src, dst)
             cost = self._cost_cache[key] = sum(c.cost for c in collectives) if collectives else 0.0
         return cost
+
+    def _signature(self, producer: int) -> tuple:
+        """Everything of the producer `reshard` reads: two producers with one signature convert
+        alike (a broadcast converts its operand, or its source shape under kernel fusion)."""
+        node = self.graph[producer]
+        if node.kind is not OpKind.BROADCAST:
+            return (node.shape, node.dtype)
+        operand = self.graph[node.operands[0]]
+        return (node.shape, node.dtype, tuple(node.attr("dims")), operand.shape, operand.dtype)
 
     # -- evaluation --------------------------------------------------------------------------
 
@@ -187,7 +202,8 @@ def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
         node = graph[ns.node]
         leader.append(ns.node if ns.follows is None else leader[node.operands[ns.follows]])
     groups = tuple(dict.fromkeys(leader))
-    sg = StrategyGraph(graph, mesh, model, nodes, tuple(leader), groups)
+    sg = StrategyGraph(graph, mesh, model, nodes, tuple(leader), groups,
+                       _reshard_cache=reshardings_on(mesh, model.collectives, model.resharding))
     for g in groups:
         n = sg.size(g)
         sg.compute[g], sg.communication[g], sg.resharding[g] = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -200,6 +216,16 @@ def build_strategy_graph(graph: Graph, mesh: LogicalMesh, model: CostModel,
     sg.live_sets = live_sets(graph, model.parameters_held)
     _add_aliases(sg)
     return sg
+
+
+@functools.lru_cache(maxsize=8)
+def reshardings_on(mesh: LogicalMesh, collectives: CollectiveCosts, rule: ReshardingRule) -> dict:
+    """The conversions priced so far on `mesh` under these collective costs, (shape, dtype, src
+    dims, dst dims) -> collectives, shared by the strategy graphs built on one mesh in this process:
+    a task's pieces and the micro-batch sizes of one view convert the same weights, gradients and
+    activations (the last few meshes are kept: a worker prices one view after another)."""
+    del mesh, collectives, rule  # the key of the cache
+    return {}
 
 
 def _add_node_costs(sg: StrategyGraph, node_id: int) -> None:

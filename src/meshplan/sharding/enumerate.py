@@ -6,7 +6,7 @@ import warnings
 from dataclasses import replace
 
 from meshplan.cluster.mesh import LogicalMesh
-from meshplan.cost.fusion import Fusion, fuse
+from meshplan.cost.fusion import Fusion, fused
 from meshplan.cost.model import CostModel
 from meshplan.ir.dimflow import trace_dims
 from meshplan.ir.graph import Graph
@@ -94,7 +94,7 @@ def _arrival(produced: ShardingSpec | None, required: ShardingSpec) -> int:
 
 def fusion_of(graph: Graph, model: CostModel) -> Fusion | None:
     """The fused-kernel view the model's kernel costs price (None without kernel models)."""
-    return fuse(graph, model.kernels.flash) if model.kernels is not None else None
+    return fused(graph, model.kernels.flash) if model.kernels is not None else None
 
 
 def constant_nodes(graph: Graph) -> frozenset[int]:

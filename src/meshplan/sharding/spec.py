@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.ir.dimflow import reshape_groups
 
+_TEXT: dict[tuple[tuple[int, ...], ...], str] = {}  # ShardingSpec.__str__ by dims
+
 
 @dataclass(frozen=True, slots=True)
 class ShardingSpec:
@@ -89,9 +91,11 @@ class ShardingSpec:
         return tuple(a for d in dims for a in self.dims[d])
 
     def __str__(self) -> str:
-        if not self.dims:
-            return "R(scalar)"
-        return "".join("R" if not a else "S" + "".join(map(str, a)) for a in self.dims)
+        text = _TEXT.get(self.dims)
+        if text is None:  # every strategy's name spells its specs: remembered per dims
+            text = _TEXT[self.dims] = "R(scalar)" if not self.dims else "".join(
+                "R" if not a else "S" + "".join(map(str, a)) for a in self.dims)
+        return text
 
     @staticmethod
     def parse(text: str) -> ShardingSpec:

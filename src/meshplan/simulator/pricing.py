@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.collectives import CollectiveCosts
-from meshplan.cost.fusion import FORWARD, fuse, is_attention, training_pass
+from meshplan.cost.fusion import FORWARD, fused, is_attention, training_pass
 from meshplan.cost.kernels import KernelCosts
 from meshplan.cost.model import CostModel
 from meshplan.distributed import Task, TaskOutcome, TaskRunner, run_tasks
@@ -81,7 +81,7 @@ def training_parts(piece: PieceGraph, pricing: PiecePricing = PiecePricing()) ->
     parts = TrainingParts(piece.forward_end, piece.backward_end, piece.weights, inputs, activations, held)
     if pricing.kernels is None:
         return parts
-    fusion = fuse(graph, pricing.kernels.flash)
+    fusion = fused(graph, pricing.kernels.flash)
     arriving = set(inputs) - set(activations)  # cotangents, labels: they come with the step that reads them
     saved = tuple(sorted(v for v in fusion.kept if v not in set(piece.weights) | arriving))
     attention = tuple(n.id for n in graph.nodes[: piece.forward_end + 1] if is_attention(n))

@@ -29,15 +29,21 @@ def follow(node: Node, ctx: RuleContext, position: int, transform: Transform,
     """
     leader = ctx.strategies_of(node.operands[position])
     strategies = []
+    # Leaders' strategies differ in more than their output (reductions, operand layouts): a
+    # follower's strategy depends on the output alone, so each distinct one is made once.
+    made: dict[tuple[tuple[int, ...], ...], Strategy] = {}
     for lead in leader.strategies:
-        out, required, collectives = transform(lead.output)
-        held = ctx.held_bytes(node, out) if materialized else 0.0
-        strategies.append(Strategy(
-            f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
-            compute=_compute(node, ctx, out, required) * ctx.compute_weight(node),
-            communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
-            memory=held, collectives=collectives, penalty=ctx.model.activation_price * held,
-        ))
+        strategy = made.get(lead.output.dims)
+        if strategy is None:
+            out, required, collectives = transform(lead.output)
+            held = ctx.held_bytes(node, out) if materialized else 0.0
+            strategy = made[lead.output.dims] = Strategy(
+                f"follow {lead.output}" + "".join(f" {c}" for c in collectives), out, required,
+                compute=_compute(node, ctx, out, required) * ctx.compute_weight(node),
+                communication=sum(c.cost for c in collectives) * ctx.communication_weight(node),
+                memory=held, collectives=collectives, penalty=ctx.model.activation_price * held,
+            )
+        strategies.append(strategy)
     return NodeStrategies(node.id, tuple(strategies), follows=position)
 
 
