@@ -17,7 +17,9 @@ ZeRO-2, layout search) under one cost model (every prediction's cost_model is re
 auto plan must be no slower). With --executors the LLaMA2-13B plan is made in-process, on the process pool and on
 a local Ray, and the JSON plans compared (planner seconds left out). Writes
 benchmarks/results/scale.json.
-Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME] [--keep]
+With --plans DIR each case's plan (planner seconds left out) is written to DIR/MODEL.json, to
+check that a speed-up leaves the plans as they were.
+Run: nice -n 10 python benchmarks/bench_scale.py [--executors] [--only NAME] [--keep] [--plans DIR]
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import shutil
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 from meshplan.cluster import Cluster, get_device
 from meshplan.distributed import TaskRunner, make_executor
+from meshplan.files import write_json_atomic
 from meshplan.models.transformer import PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
 from meshplan.simulator.analytic import search_layouts
@@ -55,8 +59,9 @@ def main() -> None:
     parser.add_argument("--only", default="",
                         help="run only the cases of these comma-separated models ('none': no case)")
     parser.add_argument("--keep", action="store_true", help="keep the cases of scale.json not run this time")
+    parser.add_argument("--plans", type=Path, help="write each case's plan (without timings) to this folder")
     args = parser.parse_args()
-    cases = [_case(*c) for c in CASES if not args.only or c[0] in args.only.split(",")]
+    cases = [_case(*c, plans=args.plans) for c in CASES if not args.only or c[0] in args.only.split(",")]
     if args.executors:
         cases.append(_executors())
     if args.keep and (RESULTS / "scale.json").exists():
@@ -73,7 +78,7 @@ def _cpu_seconds() -> tuple[float, float]:
 
 
 def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int, seq_len: int,
-          target: float | None, executor: str = "pool") -> dict:
+          target: float | None, executor: str = "pool", plans: Path | None = None) -> dict:
     job = TrainingJob(PRESETS[model], global_batch, seq_len)
     cluster = Cluster(nodes, per_node, get_device(device))
     # The closed-form layout search runs in a thread of the main process while the workers
@@ -88,6 +93,10 @@ def _case(model: str, nodes: int, per_node: int, device: str, global_batch: int,
         tasks = runner.attempts
     wall = time.perf_counter() - start
     main, workers = _cpu_seconds()[0] - main, _cpu_seconds()[1] - workers
+    if plans is not None:
+        write_json_atomic(plans / f"{model}.json", {"plan": _without_timings(sim.to_dict()),
+                                                    "baselines": [_without_timings(b.plan.to_dict()) if b.plan else None
+                                                                  for b in sim.baselines]})
     cpu = main + workers
     p = sim.plan.prediction
     case = {"name": f"{model} {nodes}x{per_node} {device}", "model": model, "cluster": [nodes, per_node],

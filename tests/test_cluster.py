@@ -7,7 +7,7 @@ import math
 import pytest
 
 from meshplan.cluster import DEVICES, Cluster, DeviceSpec, device_from_overrides, get_device, parse_cluster
-from meshplan.cluster.cluster import three_axis_shapes
+from meshplan.cluster.cluster import axis_groups, three_axis_shapes
 from meshplan.errors import MeshError, OptionsError
 from meshplan.simulator import PlannerOptions
 from meshplan.simulator.pricing import planner_views
@@ -115,6 +115,23 @@ def test_view_ids_tile_the_submesh():
     full = cluster.full_mesh_views()
     assert [v.shape for v in full] == [(4, 8), (8, 4), (16, 2), (1, 32)]
     assert all(sorted(v.device_ids) == list(range(32)) for v in full)
+
+
+def test_view_axes_are_intra_node_exactly_when_every_group_is():
+    """The links of each axis, brute force: an axis is intra-node (its alpha the device's
+    intra-node latency) exactly when every device group along it sits in one node."""
+    device = get_device("a100-80gb")
+    for cluster in (Cluster(4, 8, device), Cluster(3, 6, device), Cluster(2, 4, device)):
+        per_node = cluster.devices_per_node
+        for shape in cluster.submesh_shapes():
+            origins = [(0, 0)] + ([(1, cluster.devices_per_node - shape[1])] if shape[0] < cluster.nodes else [])
+            for origin in origins:
+                for mesh in cluster.logical_views(shape, origin, max_axes=3):
+                    for k in range(len(mesh.shape)):
+                        groups = axis_groups(mesh.shape, mesh.device_ids, k)
+                        in_node = all(len({i // per_node for i in g}) == 1 for g in groups)
+                        expected = device.intra_latency if in_node else device.inter_latency
+                        assert mesh.alpha[k] == expected, (shape, origin, mesh.shape, k)
 
 
 def test_views_reject_submesh_outside_cluster():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from meshplan.cluster import Cluster, DeviceSpec
 from meshplan.inter import InterOptions, LayerCost, LayerCosts, ViewCosts, get_schedule, plan_pipeline
+from meshplan.inter.stages import range_cost
 
 DEVICE = DeviceSpec("test", 1e12, 1e9, 1e9, 1e-6, 1e8, 1e-5)
 
@@ -171,3 +173,20 @@ def test_gpipe_holds_every_micro_batch():
     assert one_f_one_b is not None and [s.inflight for s in one_f_one_b.stages] == [2, 1]
     assert plan_pipeline(costs, cluster, 8, InterOptions(capacity_bytes=25e6, schedule="gpipe",
                                                          recompute=("none",))) is None
+
+
+def test_range_cost_charges_the_largest_usable_layer_and_survives_pickling():
+    """A stage is charged the working memory and recomputed activations of the view's largest
+    layer that can run (every layer when none can); ViewCosts reads them once, as a field that
+    pickles with the view (pricing results cross processes)."""
+    rng = np.random.default_rng(3)
+    costs = random_costs(rng, Cluster(2, 2, DEVICE), 5, infeasible=0.3)
+    dead = ViewCosts((1, 1), (1, 1), ((LayerCost(*(math.inf,) * 9),),) * 3)
+    for view in (*costs.views, dead):
+        assert pickle.loads(pickle.dumps(view)).largest == view.largest
+        for menu in range(view.menu_size):
+            every = [view.entry(k, menu) for k in range(len(view.layers))]
+            usable = [e for e in every if e.is_usable()] or every[1:3]
+            cost = range_cost(view, menu, 1, 2)
+            assert cost["transient_bytes"] == max(e.transient_bytes for e in usable)
+            assert cost["peak_activation_bytes"] == max(e.peak_activation_bytes for e in usable)

@@ -8,11 +8,14 @@ from dataclasses import replace
 import pytest
 
 from meshplan.cluster import DEVICES, Cluster, get_device
+from meshplan.cost.links import exposed_seconds
 from meshplan.errors import OptionsError
 from meshplan.models.transformer import PRESETS
 from meshplan.simulator import TrainingJob
 from meshplan.simulator.analytic import (
+    DEFAULT_EFFICIENCY,
     UNCERTAINTY,
+    LayoutPricer,
     check_layout,
     model_flops,
     price_layout,
@@ -179,3 +182,40 @@ def test_layout_plan_round_trips_and_names_its_parts():
     assert low < plan.prediction.iteration_time_s < high
     assert any("stay idle" in note for note in plan.notes) == (best.idle_devices > 0)
     assert parse_layout(plan.option("layout")) == best.layout
+
+
+def _every_stage_memory_and_sync(pricer):
+    """The brute-force twin of the pricer's class leaders: every stage priced, the first most
+    loaded stage's memory and the worst sync and step."""
+    stages = pricer._stage_layers()
+    worst = None
+    for j, layers in enumerate(stages):
+        found = pricer._stage_memory(j, layers)
+        if worst is None or found.total > worst.total:
+            worst = found
+    return worst, [pricer._stage_sync(j, layers) for j, layers in enumerate(stages)]
+
+
+@pytest.mark.parametrize("model", [PRESETS["llama2-7b"].replace(layers=25),
+                                   PRESETS["moe-1.3b"].replace(layers=15)], ids=["dense", "moe-every-2"])
+def test_stage_classes_price_like_every_stage(model):
+    """Pricing one stage per class (the layout search's shortcut) gives the memory breakdown
+    and the sync of pricing every stage, over pipelines deep and shallow, interleaved or not,
+    every recomputation and sharding choice, dense and alternating MoE layers."""
+    job, cluster = TrainingJob(model, 96, 2048), Cluster(16, 8, get_device("a100-80gb"))
+    checked = 0
+    for pp in (1, 2, 3, 5, 6, 8, 15):
+        for recompute in ("none", "selective", "full"):
+            for vp, zero, fsdp in ((1, False, False), (1, True, False), (1, False, True), (3, True, False)):
+                layout = Layout(tp=2, pp=pp, dp=max(1, 64 // pp), vp=vp, mb=2, sp=True, recompute=recompute,
+                                distributed_optimizer=zero, fsdp=fsdp, overlap=True)
+                if check_layout(job, cluster, layout):
+                    continue
+                pricer = LayoutPricer(job, cluster, layout, DEFAULT_EFFICIENCY)
+                worst, syncs = _every_stage_memory_and_sync(pricer)
+                assert pricer.memory() == worst, layout.text()
+                found = pricer._data_parallel(pricer._stage_layers(), 1e-3)
+                exposed = [exposed_seconds(c, 1e-3, DEFAULT_EFFICIENCY.dp_overlap_tail) for c, _ in syncs]
+                assert found == (max(exposed), max(o for _, o in syncs)), layout.text()
+                checked += 1
+    assert checked > 40

@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from meshplan.cluster.devices import DeviceSpec
 from meshplan.cluster.mesh import LogicalMesh, MeshTopology
 from meshplan.errors import MeshError
@@ -105,7 +107,9 @@ class Cluster:
 
     def _view(self, view: tuple[int, ...], ids: tuple[int, ...]) -> LogicalMesh:
         """One logical view of `ids`, with per-axis alpha/beta from the links its groups use."""
-        intra = tuple(self._in_one_node(axis_groups(view, ids, k)) for k in range(len(view)))
+        nodes = np.asarray(ids).reshape(view) // self.devices_per_node
+        # An axis stays in one node when every group along it (a fibre of the view) does.
+        intra = tuple(bool((nodes == nodes.take([0], axis=k)).all()) for k in range(len(view)))
         d = self.device
         alpha = tuple(d.intra_latency if x else d.inter_latency for x in intra)
         beta = tuple(d.intra_beta if x else d.inter_beta for x in intra)
@@ -118,9 +122,6 @@ class Cluster:
         d = self.device
         return MeshTopology(self.devices_per_node, d.intra_bandwidth, d.intra_latency, d.inter_bandwidth,
                             d.inter_latency)
-
-    def _in_one_node(self, groups: list[tuple[int, ...]]) -> bool:
-        return all(len({i // self.devices_per_node for i in g}) == 1 for g in groups)
 
 
 def three_axis_shapes(nodes: int, per_node: int) -> list[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ stages; it never sees a model or a program.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from meshplan.cost.fusion import BOUNDARY
 from meshplan.intra.plan import IntraPlan
@@ -64,6 +64,13 @@ class LayerCost:
         if self.peak_activation_bytes < 0:
             object.__setattr__(self, "peak_activation_bytes", self.activation_bytes)
 
+    def is_usable(self) -> bool:
+        """Whether the layer can run on its view at all (an unplaceable layer has infinite costs)."""
+        return all(math.isfinite(v) for v in (
+            self.time, self.forward_time, self.sync_time, self.update_time, self.static_bytes, self.activation_bytes,
+            self.input_bytes, self.flops, self.attention_forward_time, self.attention_activation_bytes,
+            self.transient_bytes))
+
     def stacked(self, other: LayerCost) -> LayerCost:
         """Two pieces run one after the other as one layer: times and held bytes add up; the
         working memory and the recomputed activations are those of the larger piece."""
@@ -82,11 +89,23 @@ class ViewCosts:
         view: the logical mesh shape the layers were planned on.
         layers: per layer, its menu: the fastest plan first, then leaner ones (a stage uses the
             same menu entry for all its layers; a shorter menu repeats its last entry).
+        largest: per menu entry, the largest working memory and recomputed activations of the
+            layers that can run on the view (None: none can); read off the layers once, as every
+            stage estimate charges them (inter.stages.range_cost).
     """
 
     submesh: tuple[int, int]
     view: tuple[int, ...]
     layers: tuple[tuple[LayerCost, ...], ...]
+    largest: tuple[tuple[float, float] | None, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        largest = []
+        for menu in range(self.menu_size if self.layers else 0):
+            usable = [e for k in range(len(self.layers)) if (e := self.entry(k, menu)).is_usable()]
+            largest.append((max(e.transient_bytes for e in usable), max(e.peak_activation_bytes for e in usable))
+                           if usable else None)
+        object.__setattr__(self, "largest", tuple(largest))
 
     @property
     def devices(self) -> int:

@@ -11,7 +11,6 @@ crosses (meshplan.cost.links).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,15 +106,11 @@ def range_cost(view: ViewCosts, menu: int, first: int, last: int) -> dict[str, f
     same in the latency table)."""
     entries = [view.entry(k, menu) for k in range(first, last + 1)]
     total = {f: sum(getattr(e, f) for e in entries) for f in _SUMMED}
-    every = [e for k in range(len(view.layers)) if _usable(e := view.entry(k, menu))] or entries
-    total["transient_bytes"] = max(e.transient_bytes for e in every)
-    total["peak_activation_bytes"] = max(e.peak_activation_bytes for e in every)
+    largest = view.largest[menu]
+    if largest is None:  # no layer can run on the view: the range's own
+        largest = (max(e.transient_bytes for e in entries), max(e.peak_activation_bytes for e in entries))
+    total["transient_bytes"], total["peak_activation_bytes"] = largest
     return total
-
-
-def _usable(cost: LayerCost) -> bool:
-    """Whether the layer can run on the view at all (an unplaceable layer has infinite costs)."""
-    return all(math.isfinite(getattr(cost, f)) for f in (*_SUMMED, "transient_bytes"))
 
 
 def stage_memory(cost: dict[str, float], inflight: int, recompute: str) -> float:
@@ -217,7 +212,7 @@ def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbat
     entries: list[LayerCost] = [view.entry(k, menu) for k in range(num_layers)]
     # A layer that cannot run on this view (infinite costs) rules out every range holding it;
     # summing it would poison the prefix sums of the ranges after it.
-    usable = np.array([_usable(e) for e in entries])
+    usable = np.array([e.is_usable() for e in entries])
     unusable = np.concatenate([[0], np.cumsum(~usable)])
     values = {f: [getattr(e, f) if ok else 0.0 for e, ok in zip(entries, usable, strict=True)] for f in _SUMMED}
     prefix = {f: np.concatenate([[0.0], np.cumsum(v)]) for f, v in values.items()}

@@ -26,6 +26,7 @@ the exposed data-parallel communication and the optimizer step.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -194,6 +195,8 @@ class LayoutPricer:
         self._layer_params: dict[bool, tuple[float, float]] = {}
         self._reductions: dict[tuple[CollectiveKind, float, int], float] = {}
         self._activations: dict[bool, tuple[float, float]] = {}
+        self._peak: MemoryBreakdown | None = None
+        self._sends: dict[bool, float] = {}
 
     # -- links -----------------------------------------------------------------------------
 
@@ -325,11 +328,13 @@ class LayoutPricer:
 
     # -- stages ----------------------------------------------------------------------------
 
-    def _stage_layers(self) -> list[list[int]]:
+    def _stage_layers(self) -> tuple[range, ...]:
         """Layer indices per stage: Megatron's equal split (the first stages take the remainder)."""
-        layers, pp = self.model.layers, self.layout.pp
-        bounds = [round(j * layers / pp) for j in range(pp + 1)]
-        return [list(range(bounds[j], bounds[j + 1])) for j in range(pp)]
+        return _pipeline_split(self._moe, self.layout.pp)[0]
+
+    def _class_leaders(self) -> tuple[int, ...]:
+        """The first stage of each class of stages that hold and sync the same (_pipeline_split)."""
+        return _pipeline_split(self._moe, self.layout.pp)[1]
 
     def _send(self, stage: int) -> float:
         """Forward send and backward receive of one micro-batch across the boundary after `stage`,
@@ -337,10 +342,12 @@ class LayoutPricer:
         lay = self.layout
         if stage >= lay.pp - 1:
             return 0.0
-        nbytes = self.tokens * self.model.hidden * self.bytes / lay.tp
         per_node, size = self.cluster.devices_per_node, lay.stage_devices
         crosses = size >= per_node or ((stage + 1) * size) % per_node == 0
-        return 2 * lay.vp * send_seconds(nbytes, crosses, self.links)
+        if crosses not in self._sends:  # two values per layout: inside a node or across
+            nbytes = self.tokens * self.model.hidden * self.bytes / lay.tp
+            self._sends[crosses] = 2 * lay.vp * send_seconds(nbytes, crosses, self.links)
+        return self._sends[crosses]
 
     def _head(self) -> float:
         """LM head GEMM and cross-entropy of one micro-batch (forward + backward) on the last stage;
@@ -362,29 +369,37 @@ class LayoutPricer:
 
     def memory(self) -> MemoryBreakdown:
         """Peak memory per device of the most loaded stage."""
-        return self._memory(self._stage_layers())
+        if self._peak is None:
+            self._peak = self._memory(self._stage_layers())
+        return self._peak
 
     def predict(self, memory_fraction: float) -> LayoutPrediction:
         lay = self.layout
         kinds = {moe: self._layer(moe) for moe in set(self._moe)}
         stages = self._stage_layers()
         times, compute_s, tp_s, recompute_s = [], [], [], []
+        summed: dict[tuple[bool, ...], tuple[float, float, float]] = {}  # stages with the same layer kinds
         for j, layers in enumerate(stages):
-            per = [kinds[self._moe[i]] for i in layers]
-            seconds = sum(p.forward + p.backward + p.recompute for p in per) + self._send(j)
+            pattern = self._moe[layers.start:layers.stop]
+            if pattern not in summed:
+                per = [kinds[moe] for moe in pattern]
+                summed[pattern] = (sum(p.forward + p.backward + p.recompute for p in per),
+                                   sum(p.tp_comm + p.moe_comm for p in per), sum(p.recompute for p in per))
+            work, tp_comm, again = summed[pattern]
+            seconds = work + self._send(j)
             if j == lay.pp - 1:
                 seconds += self._head()
             if j == 0:
                 seconds += self._embedding()
             times.append(seconds)
-            tp_s.append(sum(p.tp_comm + p.moe_comm for p in per))
-            recompute_s.append(sum(p.recompute for p in per))
+            tp_s.append(tp_comm)
+            recompute_s.append(again)
             compute_s.append(seconds)
         pipeline = pipeline_latency(times, self.num_microbatches, lay.vp)
         critical = max(range(lay.pp), key=lambda j: times[j])
         backward_window = sum(kinds[self._moe[i]].backward for i in stages[critical])
         sync, optimizer = self._data_parallel(stages, backward_window)
-        memory = self._memory(stages)
+        memory = self.memory()
         m = self.num_microbatches
         send = self._send(critical)
         parts = (m * (compute_s[critical] - tp_s[critical] - recompute_s[critical] - send), m * tp_s[critical],
@@ -397,7 +412,7 @@ class LayoutPricer:
 
     # -- data parallel ---------------------------------------------------------------------
 
-    def _stage_params(self, layers: list[int], first: bool, last: bool) -> tuple[float, float]:
+    def _stage_params(self, layers: range, first: bool, last: bool) -> tuple[float, float]:
         """(dense, expert) parameters per device of a stage."""
         model, lay = self.model, self.layout
         dense = expert = 0.0
@@ -412,9 +427,9 @@ class LayoutPricer:
             dense += table
         return dense, expert
 
-    def _kind_counts(self, layers: list[int]) -> list[tuple[bool, int]]:
+    def _kind_counts(self, layers: range) -> list[tuple[bool, int]]:
         """(is MoE, how many) of the kinds present among `layers`."""
-        routed = sum(self._moe[i] for i in layers) if self._any_moe else 0
+        routed = sum(self._moe[layers.start:layers.stop]) if self._any_moe else 0
         return [(moe, n) for moe, n in ((False, len(layers) - routed), (True, routed)) if n]
 
     def _one_layer_params(self, moe: bool) -> tuple[float, float]:
@@ -427,7 +442,7 @@ class LayoutPricer:
             self._layer_params[moe] = ((block - routed) / lay.tp, routed / (lay.tp * lay.ep))
         return self._layer_params[moe]
 
-    def _data_parallel(self, stages: list[list[int]], backward_window: float) -> tuple[float, float]:
+    def _data_parallel(self, stages: tuple[range, ...], backward_window: float) -> tuple[float, float]:
         """(exposed gradient communication, optimizer step) of the slowest stage, per iteration.
 
         The data-parallel group of a rank spans dp x cp ranks `tp` apart; `local` of them share
@@ -436,13 +451,13 @@ class LayoutPricer:
         all-gather over NVLink."""
         lay = self.layout
         worst_sync = worst_opt = 0.0
-        for j, layers in enumerate(stages):
-            comm, optimizer = self._stage_sync(j, layers)
+        for j in self._class_leaders():  # the others' sync and step are their leader's
+            comm, optimizer = self._stage_sync(j, stages[j])
             exposed = exposed_seconds(comm, backward_window, self.eff.dp_overlap_tail) if lay.overlap else comm
             worst_sync, worst_opt = max(worst_sync, exposed), max(worst_opt, optimizer)
         return worst_sync, worst_opt
 
-    def _stage_sync(self, j: int, layers: list[int]) -> tuple[float, float]:
+    def _stage_sync(self, j: int, layers: range) -> tuple[float, float]:
         """(gradient communication once per iteration, optimizer step) of stage j."""
         lay = self.layout
         group = lay.dp * lay.cp
@@ -512,15 +527,19 @@ class LayoutPricer:
         lay = self.layout
         return max(1.0, min(megatron_inflight(lay.pp, stage, lay.vp), self.num_microbatches))
 
-    def _memory(self, stages: list[list[int]]) -> MemoryBreakdown:
+    def _memory(self, stages: tuple[range, ...]) -> MemoryBreakdown:
+        """The first most loaded stage's memory. Only class leaders are priced: a stage holds
+        what its class leader holds but for the micro-batches in flight, which never grow down
+        the pipeline (megatron_inflight), and the total never falls as they grow; so a leader
+        is the most loaded of its class, and the first stage reaching the peak is a leader."""
         worst = None
-        for j, layers in enumerate(stages):
-            breakdown = self._stage_memory(j, layers)
+        for j in self._class_leaders():
+            breakdown = self._stage_memory(j, stages[j])
             if worst is None or breakdown.total > worst.total:
                 worst = breakdown
         return worst
 
-    def _stage_memory(self, j: int, layers: list[int]) -> MemoryBreakdown:
+    def _stage_memory(self, j: int, layers: range) -> MemoryBreakdown:
         """Peak memory per device of stage j, by part."""
         lay, model = self.layout, self.model
         first, last = j == 0, j == lay.pp - 1
@@ -551,6 +570,23 @@ class LayoutPricer:
         logits = 2 * 4 * self.tokens * model.vocab / lay.tp if last else 0.0
         workspace = WORKSPACE_BYTES + max(working, logits) + gathered
         return MemoryBreakdown(weights, gradients, optimizer, one, (held - 1) * one, workspace)
+
+
+@functools.lru_cache(maxsize=512)
+def _pipeline_split(moe: tuple[bool, ...], pp: int) -> tuple[tuple[range, ...], tuple[int, ...]]:
+    """Megatron's equal split of the layers (of kinds `moe`) into pp stages, and the first stage
+    of each class of stages that hold and sync the same: equally many layers of each kind, the
+    same last layer kind (FSDP's exposed reduction), both or neither first and last (the
+    embedding and the head). A 126-stage pipeline of equal blocks has at most four classes;
+    the search prices tens of thousands of layouts, a few hundred splits."""
+    layers = len(moe)
+    bounds = [round(j * layers / pp) for j in range(pp + 1)]
+    stages = tuple(range(bounds[j], bounds[j + 1]) for j in range(pp))
+    leaders: dict[tuple, int] = {}
+    for j, span in enumerate(stages):
+        routed = sum(moe[span.start:span.stop])
+        leaders.setdefault((j == 0, j == pp - 1, len(span) - routed, routed, moe[span.stop - 1]), j)
+    return stages, tuple(sorted(leaders.values()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ _ACTIVATION_INPUTS = ("activations", "skip")  # a U-Net's up block also takes it
 
 Progress = Callable[[str, int, int], None]
 # Part of every task's cache key: raise it when pricing changes what a task returns.
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: ViewCosts carries its layers' largest working memory
 # The op-level cost model's name and version (Prediction.cost_model): per-op strategies priced on
 # the operator graph with the kernel and link models of meshplan.cost; FLAT: every op at one
 # efficiency (`gemm_curve` off).
