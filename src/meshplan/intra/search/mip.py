@@ -22,7 +22,7 @@ import scipy.sparse as sparse
 from meshplan.intra.problem.arrays import Ragged
 from meshplan.intra.problem.memory import MemoryRows, chain_block, row_loads
 from meshplan.intra.program import LinearProgram
-from meshplan.intra.solvers import quiet_highs
+from meshplan.intra.solvers import COST_TARGET, power_of_two_scale, quiet_highs
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +188,7 @@ def build_mip(block: Block, edges: EdgePart | None = None) -> MipModel:
     rows = block.rows
     term_var = (np.repeat(s_ptr[block.term_node], block.usage.lengths)
                 + np.arange(len(block.usage.values)) - np.repeat(block.usage.ptr[:-1], block.usage.lengths))
-    memory_scale = _power_of_two_scale(rows.capacity, 1e4, up=False)
+    memory_scale = power_of_two_scale(rows.capacity, 1e4, up=False)
     chain = chain_block(rows, term_var, block.usage.ptr, block.usage.values * memory_scale, first_m)
     n_m = len(rows)
     lower = np.zeros(first_m + n_m)
@@ -199,20 +199,10 @@ def build_mip(block: Block, edges: EdgePart | None = None) -> MipModel:
     r, c, val = (np.concatenate([edges.entries[k], part]) for k, part in
                  enumerate((chain.rows + n_rows, chain.cols, chain.values)))
     matrix = sparse.coo_matrix((val, (r, c)), shape=(n_rows + n_m, first_m + n_m)).tocsc()
-    cost_scale = _power_of_two_scale(edges.cost, 1e6)
+    cost_scale = power_of_two_scale(edges.cost, COST_TARGET)
     return MipModel(block, np.concatenate([edges.cost * cost_scale, np.zeros(n_m)]), lower, upper, integer, matrix,
                     row_lower, row_lower.copy(), block.offset, s_ptr, edges.edge_vars, first_m, cost_scale,
                     memory_scale)
-
-
-def _power_of_two_scale(values: np.ndarray, target: float, up: bool = True) -> float:
-    """The power of two bringing the largest finite |value| into (target / 2, target]; 1 when
-    every value is 0, or (without `up`) when the largest is already at most `target`."""
-    finite = np.abs(values[np.isfinite(values)])
-    largest = float(finite.max()) if len(finite) else 0.0
-    if largest == 0.0 or (not up and largest <= target):
-        return 1.0
-    return float(2.0 ** -np.ceil(np.log2(largest / target)))
 
 
 @dataclass(frozen=True, slots=True)
