@@ -263,6 +263,10 @@ class MipOutcome:
     wall_s: float
 
 
+# relative (costs in seconds are 1e-8..1e-4): how far HiGHS's objective and its values' cost may differ
+_VALUES_RTOL = 1e-6
+
+
 def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = None, mip_gap: float = 0.0,
               threads: int = 1) -> MipOutcome:
     """Solve with HiGHS; `start` (an assignment of the block) is passed as the incumbent.
@@ -275,11 +279,11 @@ def solve_mip(model: MipModel, time_limit: float, start: np.ndarray | None = Non
     outcome, values = _run_highs(model, time_limit, start, mip_gap, threads)
     if start is not None and values is not None and outcome.objective is not None:
         found = model.objective(_dot(model.cost, values))
-        if abs(found - outcome.objective) > 1e-6 * max(abs(outcome.objective), 1.0):
+        if abs(found - outcome.objective) > _VALUES_RTOL * abs(outcome.objective):
             remaining = time_limit - (time.perf_counter() - begin)
             retry, retry_values = _run_highs(model, max(remaining, 0.5), None, mip_gap, threads)
             if retry.choice is not None and abs(model.objective(_dot(model.cost, retry_values))
-                                                - retry.objective) <= 1e-6 * max(abs(retry.objective), 1.0):
+                                                - retry.objective) <= _VALUES_RTOL * abs(retry.objective):
                 outcome = retry
             else:  # keep the start, whose cost is known; the bound still holds
                 outcome = MipOutcome(start.copy(), found, outcome.bound, False, False, outcome.wall_s)
