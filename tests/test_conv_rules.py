@@ -194,9 +194,10 @@ def test_conv_gradient_graph_plans_in_seconds_with_kernel_models_and_a_forced_ba
     (traced from x's dim 0 through the convolutions and pooling): every forward conv splits the
     batch over axis 0, the second kernel gradient all-reduces over it and the first takes
     x whole and the output gradient's channels split, no collective. Spatial splits only add
-    choices: here none is chosen and both spaces reach the same optimum. Before the MIP scaled costs of 1e-8..1e-5 s up, HiGHS's
-    absolute tolerances let it call a plan 0.3 % dearer optimal: the halo space's plan, priced
-    in the space without halos, undercut that space's 'optimum'."""
+    choices: here none is chosen and both spaces reach the same optimum. Before the MIP scaled
+    costs of 1e-8..1e-5 s up, HiGHS's absolute tolerances let it call a plan 0.3 % dearer
+    optimal: the halo space's plan, priced in the space without halos, undercut that space's
+    'optimum'."""
     from meshplan.cluster.devices import DEVICES
     from meshplan.cost.kernels import KernelCosts
     from meshplan.simulator.pricing import PiecePricing, piece_options
