@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -69,6 +70,24 @@ def test_small_problems_equal_enumeration(seed):
     assert result.status is SolveStatus.OPTIMAL
     assert score(raw, result.choice.tolist()) == (expected, True)
     assert result.cost == expected and result.bound == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_costs_in_seconds_are_solved_exactly(seed):
+    """Costs of 1e-9..1e-8 (a plan priced in seconds): below HiGHS's absolute tolerances (a gap
+    of 1e-6, reduced costs of 1e-7) unless the MIP scales them up. Unscaled, the first plan
+    HiGHS met was called optimal (most of these seeds failed)."""
+    rng = np.random.default_rng(5000 + seed)
+    raw = random_iopddl(rng, nodes=int(rng.integers(5, 8)), forbid=0.0, tight=1.0)
+    expected = enumerate_best(raw)
+    p = problem_from_iopddl({"problem": raw})
+    seconds = replace(p, costs=replace(p.costs, values=p.costs.values * 1e-9),
+                      edge_costs=replace(p.edge_costs, values=p.edge_costs.values * 1e-9))
+    for backend in ("highs", "cbc"):
+        result = solve_problem(seconds, ProblemOptions(time_limit=20, backend=backend))
+        assert result.status is SolveStatus.OPTIMAL
+        assert score(raw, result.choice.tolist())[0] == expected, backend
+        assert result.cost == pytest.approx(expected * 1e-9, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -8,12 +8,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from meshplan.errors import SolverError
 from meshplan.intra.program import LinearProgram
+
+COST_TARGET = 1e6  # the largest cost a solver is given (HiGHS's tolerances are absolute: 1e-6 gap, 1e-7 costs)
 
 
 class SolveStatus(enum.Enum):
@@ -59,7 +61,25 @@ def solve_program(lp: LinearProgram, backend: str = "highs", time_limit: float =
         raise SolverError(f"unknown solver backend {backend!r}; use one of {', '.join(sorted(_BACKENDS))}")
     if lp.num_vars == 0:  # nothing to choose: every group had one strategy
         return SolveResult(SolveStatus.OPTIMAL, lp.offset, lp.offset, 0.0, 0.0, backend, ())
-    return _BACKENDS[backend](lp, time_limit, mip_gap)
+    # Costs in seconds (1e-8..1e-4) sit below the solvers' absolute tolerances: solve with
+    # them brought to about COST_TARGET (a power of two: exact), then undo the scale.
+    scale = power_of_two_scale(np.array(lp.cost), COST_TARGET)
+    result = _BACKENDS[backend](replace(lp, cost=[c * scale for c in lp.cost], offset=lp.offset * scale),
+                                time_limit, mip_gap)
+    if scale == 1.0:
+        return result
+    return replace(result, objective=None if result.objective is None else result.objective / scale,
+                   bound=None if result.bound is None else result.bound / scale)
+
+
+def power_of_two_scale(values: np.ndarray, target: float, up: bool = True) -> float:
+    """The power of two bringing the largest finite |value| into (target / 2, target]; 1 when
+    every value is 0, or (without `up`) when the largest is already at most `target`."""
+    finite = np.abs(values[np.isfinite(values)])
+    largest = float(finite.max()) if len(finite) else 0.0
+    if largest == 0.0 or (not up and largest <= target):
+        return 1.0
+    return float(2.0 ** -np.ceil(np.log2(largest / target)))
 
 
 def _gap(objective: float | None, bound: float | None) -> float | None:

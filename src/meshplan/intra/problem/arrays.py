@@ -21,6 +21,14 @@ import numpy as np
 from meshplan.errors import MeshplanError
 
 FORBIDDEN = float("inf")  # the cost of a strategy or pair that may not be chosen
+COST_RTOL = 1e-9  # relative: one plan's cost summed in another order differs by rounding only
+
+
+def rounding_slack(cost: float) -> float:
+    """How far two sums of one plan's costs may differ by rounding. Relative, not floored at
+    an absolute 1e-9: plans priced in seconds cost 1e-8..1e-4, and an absolute slack called a
+    plan 1 % above a 1e-7 optimum optimal."""
+    return COST_RTOL * abs(cost)
 
 
 class ProblemError(MeshplanError):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem, rounding_slack
 from meshplan.intra.problem.memory import TermIndex, peak_rows
 from meshplan.intra.search.dual import EdgeDual
 from meshplan.intra.search.local_search import improve_feasible, repair
@@ -206,7 +206,7 @@ def price_memory(problem: StrategyProblem, ix: PairwiseIndex, terms: TermIndex, 
 
 def _closed(cost: float, bound: float) -> bool:
     """The bound proves `cost` optimal (up to rounding)."""
-    return bool(np.isfinite(cost)) and cost - bound <= 1e-9 * max(abs(cost), 1.0)
+    return bool(np.isfinite(cost)) and cost - bound <= rounding_slack(cost)
 
 
 def _tighten(dual: EdgeDual, priced: np.ndarray, constant: float, cost: float, deadline: float) -> float:

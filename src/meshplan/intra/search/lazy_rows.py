@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from meshplan.intra.problem.arrays import rounding_slack
 from meshplan.intra.problem.memory import peak_rows, row_loads, row_subset
 from meshplan.intra.search.mip import Block, MipModel, build_mip, edge_part
 from meshplan.intra.solvers import quiet_highs
@@ -97,7 +98,7 @@ def solve_lazy(block: Block, start: np.ndarray | None, deadline: float, hooks: H
             continue
         if run.infeasible and state.best is None:  # a relaxation admits nothing: neither does the problem
             return state.outcome(False, runs, len(selected), infeasible=True)
-        if optimal and state.best is not None and state.best_cost <= run.objective + _tolerance(run.objective):
+        if optimal and state.best is not None and state.best_cost <= run.objective + rounding_slack(run.objective):
             return state.outcome(True, runs, len(selected))
         if optimal and warm:
             # HiGHS 1.16 can report the optimum's objective with the warm start's values (seen
@@ -106,10 +107,6 @@ def solve_lazy(block: Block, start: np.ndarray | None, deadline: float, hooks: H
             continue
         break
     return state.outcome(False, runs, len(selected))
-
-
-def _tolerance(value: float) -> float:
-    return 1e-9 * max(abs(value), 1.0)
 
 
 class _State:
@@ -130,7 +127,7 @@ class _State:
     def offer(self, choice: np.ndarray, report: bool = False) -> bool:
         """Keep `choice` if it fits every row and beats the best; report it to the hooks."""
         cost = self.block.cost_of(choice)
-        if not cost < self.best_cost - _tolerance(cost) or (self.excess(choice) > 0).any():
+        if not cost < self.best_cost - rounding_slack(cost) or (self.excess(choice) > 0).any():
             return False
         self.best, self.best_cost = choice.copy(), cost
         if report:

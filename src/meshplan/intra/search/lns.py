@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.intra.problem.arrays import Ragged
+from meshplan.intra.problem.arrays import Ragged, rounding_slack
 from meshplan.intra.problem.memory import MemoryRows
 from meshplan.intra.search.lazy_rows import Hooks, NoHooks, solve_lazy
 from meshplan.intra.search.local_search import Incumbent
@@ -122,7 +122,7 @@ def _reoptimize(inc: Incumbent, nodes: np.ndarray, time_limit: float) -> str:
         return "timeout"
     after = block.cost_of(outcome.choice)
     status = "same" if outcome.optimal else "timeout"
-    if after < before - 1e-9 * max(abs(before), 1.0) and _apply(inc, nodes, outcome.choice):
+    if after < before - rounding_slack(before) and _apply(inc, nodes, outcome.choice):
         return "improved" if outcome.optimal else "timeout"
     return status
 

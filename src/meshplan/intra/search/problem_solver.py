@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.errors import OptionsError
-from meshplan.intra.problem.arrays import StrategyProblem
+from meshplan.intra.problem.arrays import StrategyProblem, rounding_slack
 from meshplan.intra.problem.memory import MemoryRows, TermIndex, memory_rows, term_index
 from meshplan.intra.problem.presolve import Infeasible, Presolved, presolve
 from meshplan.intra.search.candidates import candidates_first
@@ -322,7 +322,8 @@ def _one_worker(setting: _Setting, pricing: MemoryPricing, best: _Best, small: b
                          mip_gap=setting.options.mip_gap, rows=rows)
         best.offer(out.choice, out.cost, "mip")
         stats.update(mip_rows=out.constraints, lazy_runs=out.runs, lazy_rows=out.rows)
-        return _Found(max(pricing.bound, out.bound), out.optimal and out.cost <= best.cost, out.infeasible)
+        return _Found(max(pricing.bound, out.bound), out.optimal and out.cost <= best.cost + rounding_slack(best.cost),
+                      out.infeasible)
     if best.choice is None:
         return _Found(pricing.bound)
     inc = Incumbent(setting.problem, setting.rows, best.choice)
@@ -365,7 +366,7 @@ def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bo
         stats["exact_error"] = result.error.strip().splitlines()[-1]
     bound = max(pricing.bound, result.bound)
     infeasible = result.optimal and best.choice is None
-    return _Found(bound, best.cost - bound <= 1e-9 * max(abs(best.cost), 1.0), infeasible)
+    return _Found(bound, best.cost - bound <= rounding_slack(best.cost), infeasible)
 
 
 def _candidates_first(setting: _Setting, pricing: MemoryPricing, start: np.ndarray | None, deadline: float,
@@ -419,10 +420,12 @@ def _solve_whole_with_cbc(problem: StrategyProblem, setting: _Setting, best: _Be
     pre, options, start = setting.pre, setting.options, setting.start
     if outcome.infeasible and best.choice is None:
         return _answer(problem, None, None, False, start, options, stats, infeasible=True)
-    if outcome.choice is not None and setting.fits(outcome.choice):
+    proven = outcome.choice is not None and setting.fits(outcome.choice)
+    if proven:
         best.offer(outcome.choice, setting.problem.cost_of(outcome.choice), "mip")
     bound = outcome.bound if outcome.bound is not None else _trivial_bound(pre)
-    optimal = outcome.optimal and best.source == "mip"
+    # an optimum CBC proved is optimal whoever found it first (the greedy plan may tie with it)
+    optimal = outcome.optimal and proven
     return _answer(problem, pre, best.choice, optimal, start, options, stats, bound=bound)
 
 
