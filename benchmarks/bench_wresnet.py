@@ -68,9 +68,10 @@ def cluster_of(gpus: int) -> Cluster:
 def main(gpu_counts: list[int]) -> None:
     warnings.simplefilter("ignore")
     cases = {c["gpus"]: c for c in _saved_cases()}
-    cases.update({gpus: _case(gpus) for gpus in gpu_counts})
+    for gpus in gpu_counts:  # saved after each case: a long run stopped early keeps the cases it finished
+        cases[gpus] = _case(gpus)
+        print("wrote", save("wresnet", [cases[g] for g in sorted(cases)]), flush=True)
     ordered = [cases[g] for g in sorted(cases)]
-    print("wrote", save("wresnet", ordered))
     print(markdown(ordered))
     print(comparison(ordered))
 
