@@ -45,7 +45,9 @@ ALPA_CASES = {
 # plot_e2e.py draws as the Wide-ResNet panel of the paper's end-to-end figure (OSDI'22 Fig. 7c:
 # GPUs x TFLOP/s per GPU / 1000 = PFLOPS). Its 16-GPU PP-DP value (0.37) ran a hand-made case of
 # global batch 16, as the suite's comment says the searched one ran out of memory. Alpa's TFLOP/s
-# count its executables' FLOPs (XLA's `flop_count`), meshplan's the model's (3x the forward's).
+# count its executables' FLOPs (`executable.flop_count`: the dot and convolution FLOPs of its
+# stages' HLO, recomputed forwards of its rematerialised layers possibly included), meshplan's the
+# model's (3x the forward's).
 ALPA_MEASURED = {1: (8.3, 8.3), 2: (8.46, 8.24), 4: (8.16, 8.08), 8: (8.04, 7.72), 16: (6.76, 0.37),
                  32: (6.60, None), 64: (5.3, None)}
 # Alpa's 13B may not be the wresnet-13b preset (101 layers, width 16: 12.63 B, the suite's final
@@ -68,9 +70,10 @@ def cluster_of(gpus: int) -> Cluster:
 def main(gpu_counts: list[int]) -> None:
     warnings.simplefilter("ignore")
     cases = {c["gpus"]: c for c in _saved_cases()}
-    cases.update({gpus: _case(gpus) for gpus in gpu_counts})
+    for gpus in gpu_counts:  # saved after each case: a long run stopped early keeps the cases it finished
+        cases[gpus] = _case(gpus)
+        print("wrote", save("wresnet", [cases[g] for g in sorted(cases)]), flush=True)
     ordered = [cases[g] for g in sorted(cases)]
-    print("wrote", save("wresnet", ordered))
     print(markdown(ordered))
     print(comparison(ordered))
 
