@@ -2,14 +2,14 @@
 mutable batch statistics and SGD with Nesterov momentum, and the MNIST CNN) trained 3 steps under
 DataParallel, Zero3Parallel, ShardParallel and whole-step PipeshardParallel(layers="auto") equal
 plain jax.jit on one device: losses within 1e-5 relative, parameters within 1e-4 mean relative
-error, batch statistics equal (1e-6 absolute). Under the SPMD methods the compiled collectives
-are the planned ones, and no op of the step is planned as opaque.
+error, batch statistics equal to float32 rounding (2e-6 relative, 1e-6 absolute). Under the SPMD
+methods the compiled collectives are the planned ones, and no op of the step is planned as opaque.
 
 A spatially split plan (one image larger than its channels, four devices: the planner splits the
 image's rows, each convolution exchanging halo rows with its neighbours) trains like one device
 too, and its compiled collectives (collective-permutes for the halos, all-reduces for the kernel
 gradients' partial sums) are the planned ones; so on a 2x2 mesh with two images (images over
-axis 0, rows over axis 1), and for a forward pass with max pooling.
+one axis, rows or columns over the other), and for a forward pass with max pooling.
 
 ShardParallel runs with slow compute (so it splits work: batch and channel splits, input-channel
 contractions all-reduced) on a 1-D mesh of 8 and on a 2-D one ((2, 4) for the ResNet, (4, 2) for the
@@ -83,7 +83,7 @@ def test_flax_conv_steps_train_like_one_device(name, method):
     a, b = flat(got_state.params), flat(want_state.params)
     assert np.mean(np.abs(a - b)) / np.mean(np.abs(b)) <= 1e-4
     if name == "resnet":
-        np.testing.assert_allclose(flat(got_state.batch_stats), flat(want_state.batch_stats), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(flat(got_state.batch_stats), flat(want_state.batch_stats), rtol=2e-6, atol=1e-6)
     assert int(got_state.step) == STEPS
     if method == "pipeshard":
         plan = parallel.get_plan()
@@ -119,8 +119,8 @@ def halo_train_step(params, image):
 @pytest.mark.parametrize(("train", "mesh_shape"), [(True, (4,)), (False, (4,)), (True, (2, 2))],
                          ids=["train", "forward-pool", "train-2x2"])
 def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(train, mesh_shape):
-    """One image on 4 devices (rows split 4 ways), or two on a 2x2 mesh (images over axis 0,
-    rows over axis 1)."""
+    """One image on 4 devices (rows split 4 ways), or two on a 2x2 mesh (images over one axis,
+    rows over the other: the two axes cost alike, so either way round is optimal)."""
     rng = np.random.default_rng(5)
     params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
               "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
@@ -135,13 +135,17 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(trai
     nodes = parallel.get_plan().nodes
     convs = [n for n in nodes if n.op == "conv"]
     assert len(convs) == (5 if train else 2)
+    # The image dim (rows or columns: a square image) and mesh axis the first convolution splits.
+    (spatial,) = [d for d in (1, 2) if convs[0].output.dims[d]]
+    rows = convs[0].output.dims[spatial]
+    assert len(rows) == 1 and convs[0].output.dims[0] == tuple(a for a in range(len(mesh_shape)) if a not in rows)
     for conv in convs:
         kinds = [c.kind.value for c in conv.collectives]
-        rows = (len(mesh_shape) - 1,)  # the last mesh axis
         if conv.shape[0] == images:  # forward and input gradient: rows split, a halo from one or both neighbours
-            assert conv.output.dims[1] == rows and kinds and set(kinds) == {"collective-permute"}
+            assert conv.output.dims[spatial] == rows and kinds and set(kinds) == {"collective-permute"}
         else:  # a kernel gradient: rows split in the input and the cotangent, partial sums all-reduced
-            assert conv.operands[0].dims[1] == conv.operands[1].dims[1] == rows and kinds[-1] == "all-reduce"
+            assert conv.operands[0].dims[spatial] == conv.operands[1].dims[spatial] == rows
+            assert kinds[-1] == "all-reduce"
     if not train:  # the max pooling keeps the rows split, a halo row from each neighbour
         (pool,) = [n for n in nodes if n.op == "max" and n.shape == (1, 32, 32, 8) and n.collectives]
         assert [c.kind.value for c in pool.collectives] == ["collective-permute"] * 2
