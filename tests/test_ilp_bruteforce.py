@@ -59,6 +59,23 @@ def brute_force(sg, budget):
     return best
 
 
+def _solved_like_brute_force(graph, mesh, options, budget_fraction, max_combinations):
+    """The ILP's plan and the budget (`budget_fraction` of every value's bytes), its objective
+    asserted equal to brute force; None when no plan fits (the ILP must say so too)."""
+    sg, _, _, _ = build_intra_problem(graph, mesh, options)
+    assume(math.prod(sg.size(g) for g in sg.groups) <= max_combinations)
+    budget = None if budget_fraction is None else budget_fraction * sum(graph[v].nbytes for v in range(len(graph)))
+    expected = brute_force(sg, budget)
+    options = options.replace(memory_budget=budget)
+    if math.isinf(expected):
+        with pytest.raises(InfeasiblePlanError):
+            solve_intra(graph, mesh, options)
+        return None
+    plan = solve_intra(graph, mesh, options)
+    assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    return plan, budget
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=small_graphs(), shape=st.sampled_from([(2, 2), (4, 1), (2, 1), (1, 2)]),
        beta=st.tuples(st.sampled_from([1.0, 0.1]), st.sampled_from([1.0, 0.01])),
@@ -67,21 +84,11 @@ def test_ilp_equals_brute_force(graph, shape, beta, compute, budget_fraction, re
     mesh = LogicalMesh(shape, (1.0, 0.5), beta)
     assume(max(d for n in graph.nodes for d in n.shape) >= max(shape))
     cost = CostModel(flops_per_second=50.0 if compute else None)
-    options = IntraOptions(cost=cost, reduce_scatter=reduce_scatter)
-    sg, _, _, _ = build_intra_problem(graph, mesh, options)
-    assume(math.prod(sg.size(g) for g in sg.groups) <= 4000)
-    budget = None
-    if budget_fraction is not None:
-        full = sum(graph[v].nbytes for v in range(len(graph)))
-        budget = budget_fraction * full
-    expected = brute_force(sg, budget)
-    options = options.replace(memory_budget=budget)
-    if math.isinf(expected):
-        with pytest.raises(InfeasiblePlanError):
-            solve_intra(graph, mesh, options)
+    solved = _solved_like_brute_force(graph, mesh, IntraOptions(cost=cost, reduce_scatter=reduce_scatter),
+                                      budget_fraction, max_combinations=4000)
+    if solved is None:
         return
-    plan = solve_intra(graph, mesh, options)
-    assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    plan, budget = solved
     assert plan.solve.objective == pytest.approx(plan.objective, rel=1e-6, abs=1e-6)
     if budget is not None:
         assert plan.peak_memory <= budget * (1 + 1e-9)
@@ -141,17 +148,10 @@ def test_ilp_equals_brute_force_on_3d_meshes(graph, shape, beta, compute, budget
     """Three mesh axes, each with its own link price: the ILP still finds the cheapest plan."""
     mesh = LogicalMesh(shape, (1.0, 0.5, 0.25), beta)
     cost = CostModel(flops_per_second=50.0 if compute else None)
-    options = IntraOptions(cost=cost, reduce_scatter=reduce_scatter)
-    sg, _, _, _ = build_intra_problem(graph, mesh, options)
-    assume(math.prod(sg.size(g) for g in sg.groups) <= 6000)
-    budget = None if budget_fraction is None else budget_fraction * sum(graph[v].nbytes for v in range(len(graph)))
-    expected = brute_force(sg, budget)
-    options = options.replace(memory_budget=budget)
-    if math.isinf(expected):
-        with pytest.raises(InfeasiblePlanError):
-            solve_intra(graph, mesh, options)
+    solved = _solved_like_brute_force(graph, mesh, IntraOptions(cost=cost, reduce_scatter=reduce_scatter),
+                                      budget_fraction, max_combinations=6000)
+    if solved is None:
         return
-    plan = solve_intra(graph, mesh, options)
-    assert plan.objective == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    plan, _ = solved
     # --hypothesis-show-statistics: about half the examples run on 2x2x2 and use all three axes
     event(f"{mesh.name} mesh, {len({a for c in plan.nodes for a in c.output.axes()})} axes used")

@@ -164,19 +164,15 @@ class ResNetConfig:
         return 3.0 * self.forward_flops() * samples
 
 
-def _wresnet(name: str, depth: int, channels: int, width: int) -> ResNetConfig:
-    return ResNetConfig(name, depth, channels, width)
-
-
 # Alpa's benchmark/alpa/suite_wresnet.py (`wresnet_specs`): image 224, fp32.
 WRESNET_PRESETS: dict[str, ResNetConfig] = {c.name: c for c in (
-    _wresnet("wresnet-250m", 50, 160, 2),
-    _wresnet("wresnet-500m", 50, 224, 2),
-    _wresnet("wresnet-1b", 50, 320, 2),
-    _wresnet("wresnet-2b", 50, 448, 2),
-    _wresnet("wresnet-4b", 50, 640, 2),
-    _wresnet("wresnet-6.8b", 50, 320, 16),
-    _wresnet("wresnet-13b", 101, 320, 16),
+    ResNetConfig("wresnet-250m", 50, 160, 2),
+    ResNetConfig("wresnet-500m", 50, 224, 2),
+    ResNetConfig("wresnet-1b", 50, 320, 2),
+    ResNetConfig("wresnet-2b", 50, 448, 2),
+    ResNetConfig("wresnet-4b", 50, 640, 2),
+    ResNetConfig("wresnet-6.8b", 50, 320, 16),
+    ResNetConfig("wresnet-13b", 101, 320, 16),
     # He et al. 2016 with Flax's (v1.5) strides, on ImageNet's 1000 classes.
     ResNetConfig("resnet-50", 50, 64, 1, num_classes=1000),
 )}
