@@ -216,6 +216,18 @@ def spatial_halo(size: int, out_size: int, window: int, stride: int, padding: tu
     return Halo(max(left, 0), max(right, 0))
 
 
+def halo_window_padding(rows: int, out_rows: int, window: int, stride: int, padding: tuple[int, int],
+                        halo: Halo, window_dilation: int = 1) -> tuple[int, int] | None:
+    """The padding of one device's share of a windowed op split in aligned blocks, once its block
+    of `rows` input rows has its halo on both sides (`halo.left` + `rows` + `halo.right` rows,
+    the devices at either end filling theirs with the padding value): its `out_rows` windows then
+    slide over those rows as over the whole operand. None when the extended block is longer than
+    its windows reach (a window smaller than its stride skips rows: negative padding)."""
+    low = padding[0] - halo.left
+    high = (out_rows - 1) * stride + dilated(window, window_dilation) - low - (halo.left + rows + halo.right)
+    return None if low < 0 or high < 0 else (low, high)
+
+
 def conv_tap_pairs(node: Node, lhs_shape: Sequence[int], kernel_shape: Sequence[int]) -> float:
     """Multiply-adds per output entry and kernel input feature of a convolution: its taps, less
     those that land on the holes of a dilated input (an input gradient of a strided convolution
