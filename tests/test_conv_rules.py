@@ -156,6 +156,29 @@ def test_max_pooling_gradient_keeps_the_rows_split_with_its_halo_in_and_the_halo
     assert not any(s.output.dims[1] for s in _strategies(graph, mesh, gradient, halo_splits=False))
 
 
+@pytest.mark.parametrize(("window", "stride", "padding", "permutes"), [
+    (3, 2, "SAME", [128]),  # the cotangent's row before: 8 columns x 4 channels x 4 B
+    (2, 2, "VALID", []),  # each device's windows cover its own rows only
+    (3, 1, "SAME", [256, 256]),  # a 16-column cotangent row from each neighbour
+])
+def test_average_pooling_gradient_keeps_the_rows_split_with_the_cotangents_halo(window, stride, padding, permutes):
+    """An average pooling's gradient is one window sum of the cotangent dilated by the strides
+    (the IR's autodiff forms it so; capture folds JAX's pad-then-sum into it): split in aligned
+    blocks over 4 devices, each device receives the cotangent rows its windows reach."""
+    b = GraphBuilder("avg-grad")
+    x = b.parameter((1, 16, 16, 4), name="x")
+    pooled = b.avg_pool(x, (window, window), (stride, stride), padding)
+    (dx,) = append_backward(b, b.reduce(b.mul(pooled, pooled), (0, 1, 2, 3)), (x,)).values()
+    b.outputs(dx)
+    graph = b.build()
+    gradient = next(n.id for n in graph.nodes if n.kind.value == "reduce_window" and n.id > pooled)
+    assert graph[gradient].attr("base_dilation")[1] == stride
+    mesh = LogicalMesh((4,), (1.0,), (1.0,))
+    (s,) = [s for s in _strategies(graph, mesh, gradient) if s.output.dims[1] == (0,)]
+    assert s.operands == (s.output,)
+    assert [(c.kind, c.nbytes) for c in s.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, n) for n in permutes]
+
+
 def _conv_net(train: bool):
     """conv (stride 2, SAME) -> relu -> max pool -> 1x1 conv -> mean over batch and space."""
     b = GraphBuilder("convnet")
@@ -326,7 +349,7 @@ def test_rows_stay_split_through_max_pooling_where_it_pays(monkeypatch):
     (or columns) through the stem, the max pooling and its gradient, which takes one halo row of
     the pooled input (2 images x 112 columns x 64 channels x 4 B = 57,344 B) and returns the
     sums on it. Without halos for the pooling's gradient (as
-    before: it gathered its windowed dims, emulated by refusing its local padding) the best plan
+    before: it gathered its windowed dims, emulated by taking away the padding of its blocks) the best plan
     splits the stem's channels and turns to rows after the pooling, at a cost at least 10 % higher."""
     import meshplan.sharding.rules.pooling as pooling
 
@@ -340,7 +363,8 @@ def test_rows_stay_split_through_max_pooling_where_it_pays(monkeypatch):
     (pool,) = [c for c in plan.nodes if graph[c.node].kind.value == "reduce_window"]
     assert pool.output.dims[spatial] == gradient.output.dims[spatial] == (0,)
     assert [(c.kind, c.nbytes) for c in gradient.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, 57_344)] * 2
-    monkeypatch.setattr(pooling, "halo_window_padding", lambda *args: None)
+    halo = pooling.window_halo  # without a block padding for the runtime's exchange, the gradient gathers
+    monkeypatch.setattr(pooling, "window_halo", lambda *args: (found := halo(*args)) and (found[0], None))
     gathered = solve_intra(graph, mesh, options)
     (old_gradient,) = [n for n in gathered.nodes if n.op == "select_and_scatter_add"]
     assert not old_gradient.output.dims[1] and not old_gradient.output.dims[2]

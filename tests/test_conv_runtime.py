@@ -114,11 +114,15 @@ def halo_loss(params, image, pool: bool):
     return jax.numpy.mean(h * h)
 
 
-def stem_loss(params, image):
-    """Flax's ImageNet ResNet's stem: 7x7 conv (stride 2, padding 3) -> relu -> 3x3 max pool
-    (stride 2, "SAME": one padding row after) -> a 3x3 conv -> mean square."""
-    h = jax.lax.conv_general_dilated(image, params["w1"], (2, 2), ((3, 3), (3, 3)), dimension_numbers=NHWC)
-    h = jax.lax.reduce_window(jax.nn.relu(h), -np.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+def stem_loss(params, image, pool: str):
+    """Flax's ImageNet ResNet's stem: 7x7 conv (stride 2, padding 3) -> relu -> 3x3 max (or
+    average) pool (stride 2, "SAME": one padding row after) -> a 3x3 conv -> mean square."""
+    h = jax.nn.relu(jax.lax.conv_general_dilated(image, params["w1"], (2, 2), ((3, 3), (3, 3)),
+                                                 dimension_numbers=NHWC))
+    if pool == "max":
+        h = jax.lax.reduce_window(h, -np.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+    else:
+        h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") / 9
     h = jax.lax.conv_general_dilated(h, params["w2"], (1, 1), "SAME", dimension_numbers=NHWC)
     return jax.numpy.mean(h * h)
 
@@ -126,7 +130,8 @@ def stem_loss(params, image):
 HALO_CASES = {"train": (jax.value_and_grad(functools.partial(halo_loss, pool=False)), (4,)),
               "forward-pool": (functools.partial(halo_loss, pool=True), (4,)),
               "train-2x2": (jax.value_and_grad(functools.partial(halo_loss, pool=False)), (2, 2)),
-              "train-maxpool": (jax.value_and_grad(stem_loss), (4,))}
+              "train-maxpool": (jax.value_and_grad(functools.partial(stem_loss, pool="max")), (4,)),
+              "train-avgpool": (jax.value_and_grad(functools.partial(stem_loss, pool="avg")), (4,))}
 
 
 @pytest.mark.parametrize("case", HALO_CASES)
@@ -136,9 +141,11 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(case
     ResNet stem's max pooling in training ("train-maxpool": 2 channels, which do not split 4
     ways), the rows stay split through the pooling and its gradient: the gradient receives the
     pooled input's next row and sends the next device the sums on that row (one row of 32
-    columns x 2 channels x 4 B each way), run by the runtime's own exchange (`runtime/halo_pooling.py`)."""
+    columns x 2 channels x 4 B each way), run by the runtime's own exchange (`runtime/halo_pooling.py`).
+    With an average pooling ("train-avgpool"), its gradient (one window sum of the dilated
+    cotangent) receives the cotangent's row before (16 columns x 2 channels x 4 B), sent by XLA."""
     rng = np.random.default_rng(5)
-    stem = case == "train-maxpool"
+    stem = case in ("train-maxpool", "train-avgpool")
     channels = 2 if stem else 8
     params = {"w1": rng.standard_normal((7, 7, 2, 2) if stem else (3, 3, 2, 8)).astype(np.float32) / 4,
               "w2": rng.standard_normal((3, 3, channels, channels)).astype(np.float32) / 8}
@@ -167,9 +174,13 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(case
     if case == "forward-pool":  # the max pooling keeps the rows split, a halo row from each neighbour
         (pool,) = [n for n in nodes if n.op == "max" and n.shape == (1, 32, 32, 8) and n.collectives]
         assert [c.kind.value for c in pool.collectives] == ["collective-permute"] * 2
-    if stem:
+    if case == "train-maxpool":
         (gradient,) = [n for n in nodes if n.op == "select_and_scatter_add"]
         assert gradient.output.dims[spatial] == rows and gradient.operands[0].dims[spatial] == rows
         assert [(c.kind.value, c.nbytes) for c in gradient.collectives] == [("collective-permute", 32 * 2 * 4)] * 2
+    if case == "train-avgpool":
+        (gradient,) = [n for n in nodes if n.op == "sum" and n.shape == (1, 32, 32, 2)]
+        assert gradient.output.dims[spatial] == rows and gradient.operands[0].dims[spatial] == rows
+        assert [(c.kind.value, c.nbytes) for c in gradient.collectives] == [("collective-permute", 16 * 2 * 4)]
     check = parallel.get_collectives()
     assert check.agrees, (check.missing, check.unplanned)

@@ -203,10 +203,9 @@ def _halo_pooling_steps(captured: Captured, plan: IntraPlan, mesh: Mesh) -> dict
     chosen = {c.node: c for c in plan.nodes}
     found = {}
     for k, step in enumerate(program.steps):
-        node = graph[captured.value_nodes[step.outputs[0]]] if step.outputs and step.outputs[0] in \
-            captured.value_nodes else None
-        if node is None or node.kind is not OpKind.SELECT_AND_SCATTER_ADD:
+        if step.name != "select_and_scatter_add":
             continue
+        node = graph[captured.value_nodes[step.outputs[0]]]
         spec = chosen[node.id].output
         split = halo_split(node, graph[node.operands[0]].shape, spec, plan.mesh.shape)
         if split is not None:

@@ -1,11 +1,13 @@
-"""Rules for window reductions (pooling), max pooling's gradient and reversals: they follow their
-operand. Batch and feature dims (window 1, stride 1, no padding) keep their split: a pooling under
-data parallelism is free.
+"""Rules for window reductions (pooling and an average pooling's gradient), max pooling's
+gradient and reversals: they follow their operand. Batch and feature dims (window 1, stride 1,
+no padding) keep their split: a pooling under data parallelism is free.
 
-A pooling (a window reduction of an undilated operand) also keeps a split of one dim its window
-slides along, over one mesh axis, where the blocks stay aligned (`ir/windows.py`'s
-`spatial_halo`): each device pools its rows plus a halo of its neighbours' border rows, the
-collective-permutes priced as `rules/halo.py` says (XLA's partitioner sends them).
+A window sum or reduction also keeps a split of one dim its window slides along, over one mesh
+axis, where the blocks stay aligned (`ir/windows.py`'s `spatial_halo`): each device reduces its
+rows plus a halo of its neighbours' border rows, the collective-permutes priced as `rules/halo.py`
+says (XLA's partitioner sends them). That includes an average pooling's gradient, a window sum of
+the cotangent dilated by the strides (as the IR's autodiff forms it and capture folds JAX's
+pad-then-sum into it, `capture/folding.py`): its halo is the cotangent rows its windows reach.
 
 Max pooling's gradient (`select_and_scatter_add`) keeps such a split too, as the runtime runs it
 (`runtime/halo_pooling.py`, explicit exchanges, not XLA's: for this op XLA's partitioner sends
@@ -13,15 +15,14 @@ wider, padded blocks, measured on JAX 0.10.2): each device receives the pooled i
 (the forward pooling's halo), scatters its own windows' cotangent over its rows and the halo
 rows, and sends the halo rows' sums back to the neighbours that own them: a collective-permute
 per direction each way, the same rows x the rest of the block. Other windowed dims are gathered
-(priced on the edge that brings the operand), and so are all of them for a window sum over a
-dilated operand (an average pooling's gradient: XLA partitions its interior padding with padded
-exchanges this model does not price). Reversed dims stay whole.
+(priced on the edge that brings the operand), as are a max or min over a dilated operand's.
+Reversed dims stay whole.
 """
 
 from __future__ import annotations
 
 from meshplan.ir.node import Node, OpKind
-from meshplan.ir.windows import Halo, halo_window_padding, spatial_halo, windowed_dims
+from meshplan.ir.windows import Halo, window_halo, windowed_dims
 from meshplan.sharding.context import RuleContext
 from meshplan.sharding.rules.follow import follow, unsplit
 from meshplan.sharding.rules.halo import halo_exchange
@@ -43,7 +44,7 @@ def window_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
         kept = unsplit(spec, whole - {dim})
         if halo is None:
             return kept, (kept,) * n, ()
-        if node.kind is OpKind.REDUCE_WINDOW:
+        if node.kind is OpKind.REDUCE_WINDOW:  # a pooling, or an average pooling's gradient: the operand's halo
             return kept, (kept,), halo_exchange(ctx, operand, kept, dim, halo)
         # the pooled input's halo in, the halo rows' gradient sums back out
         pooled_input = ctx.operand(node, 1)
@@ -56,27 +57,19 @@ def window_strategies(node: Node, ctx: RuleContext) -> NodeStrategies:
 def _halo_split(node: Node, spec: ShardingSpec, windowed: set[int], ctx: RuleContext) -> tuple[int | None, Halo | None]:
     """The first windowed dim `spec` splits that the op may keep split (with its halo)."""
     ones = (1,) * node.rank
-    if not ctx.config.halo_splits or node.attr("base_dilation", ones) != ones:
+    dilated = node.attr("base_dilation", ones) != ones
+    if not ctx.config.halo_splits or (dilated and node.attr("op") != "sum"):
         return None, None
-    pooled = node.kind is OpKind.REDUCE_WINDOW
-    # (input rows, output rows) of the pooling: max pooling's gradient maps its cotangent (operand 0) back
-    first = ctx.operand(node, 0).shape
-    rows, out_rows = (first, node.shape) if pooled else (node.shape, first)
-    window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
-    dilation = node.attr("window_dilation", ones)
+    # XLA's partitioner runs a window reduction's exchange; the runtime runs max pooling's gradient's,
+    # which needs the windows of a block to cover the block and its halo
+    by_runtime = node.kind is OpKind.SELECT_AND_SCATTER_ADD
     for dim in sorted(windowed):
         axes = spec.dims[dim]
         if len(axes) != 1:
             continue
-        shards = ctx.mesh.shape[axes[0]]
-        halo = spatial_halo(rows[dim], out_rows[dim], window[dim], strides[dim], padding[dim], 1, dilation[dim],
-                            shards)
-        if halo is None:
-            continue
-        # the runtime's exchange for max pooling's gradient needs each block's windows to cover its extended rows
-        if pooled or halo_window_padding(rows[dim] // shards, out_rows[dim] // shards, window[dim], strides[dim],
-                                         padding[dim], halo) is not None:
-            return dim, halo
+        found = window_halo(node, ctx.operand(node, 0).shape, dim, ctx.mesh.shape[axes[0]])
+        if found is not None and (found[1] is not None or not by_runtime):
+            return dim, found[0]
     return None, None
 
 
