@@ -184,3 +184,26 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(case
         assert [(c.kind.value, c.nbytes) for c in gradient.collectives] == [("collective-permute", 16 * 2 * 4)]
     check = parallel.get_collectives()
     assert check.agrees, (check.missing, check.unplanned)
+
+
+def test_one_image_on_a_2x2_mesh_runs_in_2d_tiles_like_one_device():
+    """The forward pass of two 3x3 convolutions over one 64x64 image on a 2x2 mesh: each splits
+    rows over one axis and columns over the other (32x32 tiles); the first receives a row from
+    each row neighbour (32 columns x 2 channels x 4 B), then a column of the 34 rows grown by
+    them (corners included) from each column neighbour; the stride-2 one the next row and
+    column only. The compiled collective-permutes are the planned ones."""
+    rng = np.random.default_rng(5)
+    params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
+              "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
+    image = rng.standard_normal((1, 64, 64, 2)).astype(np.float32)
+    step = functools.partial(halo_loss, pool=False)
+    parallel = parallelize(step, method=ShardParallel(mesh_shape=(2, 2)), devices=jax.devices()[:4], cluster=SLOW4)
+    np.testing.assert_allclose(parallel(params, image), jax.jit(step)(params, image), rtol=1e-5)
+    first, second = [n for n in parallel.get_plan().nodes if n.op == "conv"]
+    (rows,), (columns,) = first.output.dims[1:3]
+    assert {rows, columns} == {0, 1} and second.output.dims[1:3] == first.output.dims[1:3]
+    assert [(c.axes, c.nbytes) for c in first.collectives] == [((rows,), 32 * 2 * 4)] * 2 + [
+        ((columns,), 34 * 2 * 4)] * 2
+    assert [(c.axes, c.nbytes) for c in second.collectives] == [((rows,), 32 * 8 * 4), ((columns,), 33 * 8 * 4)]
+    check = parallel.get_collectives()
+    assert check.agrees, (check.missing, check.unplanned)
