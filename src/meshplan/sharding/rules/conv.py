@@ -18,7 +18,9 @@ collective-permutes XLA's partitioner emits (`rules/halo.py`):
 
 They are offered only where the split keeps each device's work next to its own rows (sizes the
 axis divides, blocks that stay aligned, a halo no deeper than a block; `ir/windows.py`'s
-`spatial_halo`), on one such dim per convolution, and not for grouped convolutions.
+`spatial_halo`), on one such dim per convolution, or two "h" dims over two mesh axes (2-D
+tiles, their halos exchanged dim by dim, the corners with the later dim), and not for grouped
+convolutions.
 
 The kernel gradient of a convolution is itself a convolution whose "input features" are the
 batch: under data parallelism it is the contraction that all-reduces the gradients. Grouped
