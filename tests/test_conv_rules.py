@@ -394,8 +394,10 @@ def test_a_conv_tiled_in_rows_and_columns_exchanges_the_corners_with_the_columns
     sends them (measured on JAX 0.10.2)."""
     graph, y, _ = _one_conv(16, window, strides, padding)
     mesh = LogicalMesh((2, 2), (1.0, 1.0), (1.0, 1.0))
-    (tiled,) = [s for s in _strategies(graph, mesh, y) if s.output.dims[1] == (0,) and s.output.dims[2] == (1,)
-                and not s.output.dims[3]]
+    strategies = _strategies(graph, mesh, y)
+    (tiled,) = [s for s in strategies if s.output.dims[1] == (0,) and s.output.dims[2] == (1,) and not s.output.dims[3]]
+    # rows split with output features split over the other axis: XLA's partitioner gets it wrong
+    assert not any(s.output.dims[3] and (s.output.dims[1] or s.output.dims[2]) for s in strategies)
     assert [(c.kind, c.axes, c.nbytes) for c in tiled.collectives] == [
         (CollectiveKind.COLLECTIVE_PERMUTE, (0,), n) for n in permutes[:2]] + [
         (CollectiveKind.COLLECTIVE_PERMUTE, (1,), n) for n in permutes[2:]]

@@ -186,24 +186,33 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(case
     assert check.agrees, (check.missing, check.unplanned)
 
 
-def test_one_image_on_a_2x2_mesh_runs_in_2d_tiles_like_one_device():
-    """The forward pass of two 3x3 convolutions over one 64x64 image on a 2x2 mesh: each splits
-    rows over one axis and columns over the other (32x32 tiles); the first receives a row from
-    each row neighbour (32 columns x 2 channels x 4 B), then a column of the 34 rows grown by
-    them (corners included) from each column neighbour; the stride-2 one the next row and
-    column only. The compiled collective-permutes are the planned ones."""
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+def test_one_image_on_a_2x2_mesh_runs_like_one_device(train):
+    """One 64x64 image on a 2x2 mesh. The forward pass of its two 3x3 convolutions splits rows
+    over one axis and columns over the other (32x32 tiles); the first receives a row from each
+    row neighbour (32 columns x 2 channels x 4 B), then a column of the 34 rows grown by them
+    (corners included) from each column neighbour; the stride-2 one the next row and column
+    only. The training step too equals one device: it used to split rows over one axis and
+    output features over the other, which XLA's partitioner (JAX 0.10.2) computes wrongly (the
+    loss came out 16 times too large), so the conv rule no longer offers that pair. The
+    compiled collectives are the planned ones."""
     rng = np.random.default_rng(5)
     params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
               "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
     image = rng.standard_normal((1, 64, 64, 2)).astype(np.float32)
     step = functools.partial(halo_loss, pool=False)
+    step = jax.value_and_grad(step) if train else step
     parallel = parallelize(step, method=ShardParallel(mesh_shape=(2, 2)), devices=jax.devices()[:4], cluster=SLOW4)
-    np.testing.assert_allclose(parallel(params, image), jax.jit(step)(params, image), rtol=1e-5)
+    got, want = parallel(params, image), jax.jit(step)(params, image)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    check = parallel.get_collectives()
+    assert check.agrees, (check.missing, check.unplanned)
+    if train:
+        return
     first, second = [n for n in parallel.get_plan().nodes if n.op == "conv"]
     (rows,), (columns,) = first.output.dims[1:3]
     assert {rows, columns} == {0, 1} and second.output.dims[1:3] == first.output.dims[1:3]
     assert [(c.axes, c.nbytes) for c in first.collectives] == [((rows,), 32 * 2 * 4)] * 2 + [
         ((columns,), 34 * 2 * 4)] * 2
     assert [(c.axes, c.nbytes) for c in second.collectives] == [((rows,), 32 * 8 * 4), ((columns,), 33 * 8 * 4)]
-    check = parallel.get_collectives()
-    assert check.agrees, (check.missing, check.unplanned)

@@ -88,6 +88,8 @@ class ConvSlots:
             return True
         if not ctx.config.halo_splits or len(halos) > 2 or (len(halos) == 2 and any(s[0] != "h" for s, _ in halos)):
             return False
+        if ("o", 0) in assignment:  # XLA's partitioner (JAX 0.10.2) computes rows split with output features split
+            return False  # over another axis wrongly (max error = the largest output entry); tests/test_conv_runtime.py
         return all(len(axes) == 1 and self.halo(slot, ctx.mesh.shape[axes[0]]) is not None for slot, axes in halos)
 
     def size(self, slot: Slot) -> int:
