@@ -31,17 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from meshplan.ir.node import Node, OpKind
+from meshplan.ir.node import Node
 from meshplan.ir.windows import Halo, window_halo, windowed_dims
 from meshplan.sharding.spec import ShardingSpec
 
 
 @dataclass(frozen=True, slots=True)
 class HaloSplit:
-    """How a device's block sits among its neighbours' along `dim`, split over mesh axis `axis`
-    in `shards` blocks of `rows` rows of the operand the halo extends (max pooling's gradient's
-    pooled input, a window sum's dilated cotangent): the halo and the window padding of the
-    extended block (`padding`)."""
+    """How a device's block of the pooled input sits among its neighbours' along `dim`, split
+    over mesh axis `axis` in `shards` blocks of `rows` rows: its halo and the window padding of
+    the block extended by the halo (`padding`)."""
 
     dim: int
     axis: int
@@ -53,18 +52,17 @@ class HaloSplit:
 
 def halo_split(node: Node, operand_shape: tuple[int, ...], spec: ShardingSpec,
                mesh_shape: tuple[int, ...]) -> HaloSplit | None:
-    """The split of `node` (a select_and_scatter_add, or a window sum of a dilated operand, laid
-    out as `spec`; its first operand of `operand_shape`) along a windowed dim, if the plan keeps
-    one split (the rule allows one, over one mesh axis)."""
+    """The split of `node` (a select_and_scatter_add laid out as `spec`, its cotangent of
+    `operand_shape`) along a windowed dim, if the plan keeps one split (the rule allows one, over
+    one mesh axis)."""
     for dim in sorted(windowed_dims(node)):
         axes = spec.dims[dim]
         if len(axes) != 1:
             continue
         shards = mesh_shape[axes[0]]
         found = window_halo(node, operand_shape, dim, shards)
-        extended = node.shape if node.kind is OpKind.SELECT_AND_SCATTER_ADD else operand_shape
         if found is not None and found[1] is not None:
-            return HaloSplit(dim, axes[0], shards, extended[dim] // shards, *found)
+            return HaloSplit(dim, axes[0], shards, node.shape[dim] // shards, *found)
     return None
 
 
