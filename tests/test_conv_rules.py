@@ -360,9 +360,9 @@ def test_rows_stay_split_through_max_pooling_where_it_pays(monkeypatch):
     """ResNet's stem at 224x224 with 2 images on 8 devices: the planner splits the image's rows
     (or columns) through the stem, the max pooling and its gradient, which takes one halo row of
     the pooled input (2 images x 112 columns x 64 channels x 4 B = 57,344 B) and returns the
-    sums on it. Without halos for the pooling's gradient (as
-    before: it gathered its windowed dims, emulated by taking away the padding of its blocks) the best plan
-    splits the stem's channels and turns to rows after the pooling, at a cost at least 10 % higher."""
+    sums on it. Without halos for the pooling's gradient (as before: it gathered its windowed
+    dims; emulated by taking away the padding of its blocks) the best plan splits the stem's
+    channels and turns to rows after the pooling, at a cost at least 10 % higher."""
     import meshplan.sharding.rules.pooling as pooling
 
     graph = _resnet_stem(2, 224, 64)
@@ -407,9 +407,10 @@ def test_2d_tiles_pay_for_one_image_on_a_2d_mesh(monkeypatch):
     """Inference of one 128x128 image (16 channels, two 3x3 convolutions) on a 2x4 mesh: rows
     over one axis and columns over the other use all 8 devices with halos of a 32- or 64-entry
     side; without 2-D tiles (emulated by offering one halo split per convolution) the best plan
-    splits rows 4 ways and channels 2 ways, exchanging rows of all 128 columns, at a cost at
-    least 3 % higher. (In training a tiled convolution's kernel gradient, which splits one
-    window dim only, takes its cotangent converted: there the planner keeps 1-D rows.)"""
+    splits the first convolution's output channels 8 ways and the second's columns 4 ways and
+    input channels 2 ways (its partial sums all-reduced), at a cost at least 10 % higher. (In
+    training a tiled convolution's kernel gradient, which splits one window dim only, takes its
+    cotangent converted: there the planner keeps 1-D splits.)"""
     from meshplan.sharding.rules import conv
 
     b = GraphBuilder("tiles-pay")
@@ -429,4 +430,4 @@ def test_2d_tiles_pay_for_one_image_on_a_2d_mesh(monkeypatch):
         slot[0] in conv.HALO_SLOTS for slot in assignment) < 2)
     rows = solve_intra(graph, mesh, options)
     assert not any(n.output.dims[1] and n.output.dims[2] for n in rows.nodes if n.op == "conv")
-    assert tiled.objective < 0.97 * rows.objective, (tiled.objective, rows.objective)
+    assert tiled.objective < 0.9 * rows.objective, (tiled.objective, rows.objective)
