@@ -1,6 +1,7 @@
 """Flax convolutional networks capture without opaque nodes: Conv (NHWC, strides, SAME padding),
-BatchNorm with mutable batch statistics, max and average pooling, and their gradients; the
-captured graph, run by the IR interpreter, gives what JAX gives."""
+BatchNorm with mutable batch statistics, max and average pooling, and their gradients (the
+average pooling's as one window sum of the dilated cotangent); the captured graph, run by the IR
+interpreter, gives what JAX gives."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def test_flax_cnn_gradient_step_captures_whole_and_runs_like_jax():
     assert captured.unsupported == ()
     kinds = {n.kind for n in captured.graph.nodes}
     assert {OpKind.CONV, OpKind.REDUCE_WINDOW, OpKind.SELECT_AND_SCATTER_ADD, OpKind.REVERSE} <= kinds
+    # The average pooling and its gradient: JAX's zero padding with holes and its window sum are
+    # folded into one window sum of the dilated cotangent (capture/folding.py), as XLA writes it.
+    sums = [n for n in captured.graph.nodes if n.kind is OpKind.REDUCE_WINDOW and n.attr("op") == "sum"]
+    assert [(n.attr("window_dimensions"), n.attr("window_strides"), n.attr("base_dilation"), n.attr("padding"))
+            for n in sums] == [((1, 2, 2, 1), (1, 2, 2, 1), (1, 1, 1, 1), ((0, 0),) * 4),
+                               ((1, 2, 2, 1), (1, 1, 1, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0)))]
     flat = jax.tree_util.tree_leaves((variables["params"], variables["batch_stats"], x))
     values = evaluate(captured.graph, {node: np.asarray(v) for node, v in zip(captured.input_nodes, flat,
                                                                                 strict=True)})

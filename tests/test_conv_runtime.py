@@ -9,7 +9,9 @@ A spatially split plan (one image larger than its channels, four devices: the pl
 image's rows, each convolution exchanging halo rows with its neighbours) trains like one device
 too, and its compiled collectives (collective-permutes for the halos, all-reduces for the kernel
 gradients' partial sums) are the planned ones; so on a 2x2 mesh with two images (images over
-one axis, rows or columns over the other), and for a forward pass with max pooling.
+one axis, rows or columns over the other), for a forward pass with max pooling, and for the
+ResNet stem (7x7 conv, 3x3 max pool, stride 2) in training, whose max pooling gradient the
+runtime runs with the planned exchanges (`runtime/halo_pooling.py`).
 
 ShardParallel runs with slow compute (so it splits work: batch and channel splits, input-channel
 contractions all-reduced) on a 1-D mesh of 8 and on a 2-D one ((2, 4) for the ResNet, (4, 2) for the
@@ -112,21 +114,44 @@ def halo_loss(params, image, pool: bool):
     return jax.numpy.mean(h * h)
 
 
-def halo_train_step(params, image):
-    return jax.value_and_grad(functools.partial(halo_loss, pool=False))(params, image)
+def stem_loss(params, image, pool: str):
+    """Flax's ImageNet ResNet's stem: 7x7 conv (stride 2, padding 3) -> relu -> 3x3 max (or
+    average) pool (stride 2, "SAME": one padding row after) -> a 3x3 conv -> mean square."""
+    h = jax.nn.relu(jax.lax.conv_general_dilated(image, params["w1"], (2, 2), ((3, 3), (3, 3)),
+                                                 dimension_numbers=NHWC))
+    if pool == "max":
+        h = jax.lax.reduce_window(h, -np.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+    else:
+        h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") / 9
+    h = jax.lax.conv_general_dilated(h, params["w2"], (1, 1), "SAME", dimension_numbers=NHWC)
+    return jax.numpy.mean(h * h)
 
 
-@pytest.mark.parametrize(("train", "mesh_shape"), [(True, (4,)), (False, (4,)), (True, (2, 2))],
-                         ids=["train", "forward-pool", "train-2x2"])
-def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(train, mesh_shape):
+HALO_CASES = {"train": (jax.value_and_grad(functools.partial(halo_loss, pool=False)), (4,)),
+              "forward-pool": (functools.partial(halo_loss, pool=True), (4,)),
+              "train-2x2": (jax.value_and_grad(functools.partial(halo_loss, pool=False)), (2, 2)),
+              "train-maxpool": (jax.value_and_grad(functools.partial(stem_loss, pool="max")), (4,)),
+              "train-avgpool": (jax.value_and_grad(functools.partial(stem_loss, pool="avg")), (4,))}
+
+
+@pytest.mark.parametrize("case", HALO_CASES)
+def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(case):
     """One image on 4 devices (rows split 4 ways), or two on a 2x2 mesh (images over one axis,
-    rows over the other: the two axes cost alike, so either way round is optimal)."""
+    rows over the other: the two axes cost alike, so either way round is optimal). With the
+    ResNet stem's max pooling in training ("train-maxpool": 2 channels, which do not split 4
+    ways), the rows stay split through the pooling and its gradient: the gradient receives the
+    pooled input's next row and sends the next device the sums on that row (one row of 32
+    columns x 2 channels x 4 B each way), run by the runtime's own exchange (`runtime/halo_pooling.py`).
+    With an average pooling ("train-avgpool"), its gradient (one window sum of the dilated
+    cotangent) receives the cotangent's row before (16 columns x 2 channels x 4 B), sent by XLA."""
     rng = np.random.default_rng(5)
-    params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
-              "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
+    stem = case in ("train-maxpool", "train-avgpool")
+    channels = 2 if stem else 8
+    params = {"w1": rng.standard_normal((7, 7, 2, 2) if stem else (3, 3, 2, 8)).astype(np.float32) / 4,
+              "w2": rng.standard_normal((3, 3, channels, channels)).astype(np.float32) / 8}
+    step, mesh_shape = HALO_CASES[case]
     images = len(mesh_shape)
     image = rng.standard_normal((images, 64, 64, 2)).astype(np.float32)
-    step = halo_train_step if train else functools.partial(halo_loss, pool=True)
     parallel = parallelize(step, method=ShardParallel(mesh_shape=mesh_shape), devices=jax.devices()[:4],
                            cluster=SLOW4)
     got, want = parallel(params, image), jax.jit(step)(params, image)
@@ -134,7 +159,7 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(trai
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     nodes = parallel.get_plan().nodes
     convs = [n for n in nodes if n.op == "conv"]
-    assert len(convs) == (5 if train else 2)
+    assert len(convs) == (2 if case == "forward-pool" else 5)
     # The image dim (rows or columns: a square image) and mesh axis the first convolution splits.
     (spatial,) = [d for d in (1, 2) if convs[0].output.dims[d]]
     rows = convs[0].output.dims[spatial]
@@ -146,8 +171,48 @@ def test_spatial_split_runs_like_one_device_with_the_planned_halo_exchanges(trai
         else:  # a kernel gradient: rows split in the input and the cotangent, partial sums all-reduced
             assert conv.operands[0].dims[spatial] == conv.operands[1].dims[spatial] == rows
             assert kinds[-1] == "all-reduce"
-    if not train:  # the max pooling keeps the rows split, a halo row from each neighbour
+    if case == "forward-pool":  # the max pooling keeps the rows split, a halo row from each neighbour
         (pool,) = [n for n in nodes if n.op == "max" and n.shape == (1, 32, 32, 8) and n.collectives]
         assert [c.kind.value for c in pool.collectives] == ["collective-permute"] * 2
+    if case == "train-maxpool":
+        (gradient,) = [n for n in nodes if n.op == "select_and_scatter_add"]
+        assert gradient.output.dims[spatial] == rows and gradient.operands[0].dims[spatial] == rows
+        assert [(c.kind.value, c.nbytes) for c in gradient.collectives] == [("collective-permute", 32 * 2 * 4)] * 2
+    if case == "train-avgpool":
+        (gradient,) = [n for n in nodes if n.op == "sum" and n.shape == (1, 32, 32, 2)]
+        assert gradient.output.dims[spatial] == rows and gradient.operands[0].dims[spatial] == rows
+        assert [(c.kind.value, c.nbytes) for c in gradient.collectives] == [("collective-permute", 16 * 2 * 4)]
     check = parallel.get_collectives()
     assert check.agrees, (check.missing, check.unplanned)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train"])
+def test_one_image_on_a_2x2_mesh_runs_like_one_device(train):
+    """One 64x64 image on a 2x2 mesh. The forward pass of its two 3x3 convolutions splits rows
+    over one axis and columns over the other (32x32 tiles); the first receives a row from each
+    row neighbour (32 columns x 2 channels x 4 B), then a column of the 34 rows grown by them
+    (corners included) from each column neighbour; the stride-2 one the next row and column
+    only. The training step too equals one device: it used to split rows over one axis and
+    output features over the other, which XLA's partitioner (JAX 0.10.2) computes wrongly (the
+    loss came out 16 times too large), so the conv rule no longer offers that pair. The
+    compiled collectives are the planned ones."""
+    rng = np.random.default_rng(5)
+    params = {"w1": rng.standard_normal((3, 3, 2, 8)).astype(np.float32) / 4,
+              "w2": rng.standard_normal((3, 3, 8, 8)).astype(np.float32) / 8}
+    image = rng.standard_normal((1, 64, 64, 2)).astype(np.float32)
+    step = functools.partial(halo_loss, pool=False)
+    step = jax.value_and_grad(step) if train else step
+    parallel = parallelize(step, method=ShardParallel(mesh_shape=(2, 2)), devices=jax.devices()[:4], cluster=SLOW4)
+    got, want = parallel(params, image), jax.jit(step)(params, image)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    check = parallel.get_collectives()
+    assert check.agrees, (check.missing, check.unplanned)
+    if train:
+        return
+    first, second = [n for n in parallel.get_plan().nodes if n.op == "conv"]
+    (rows,), (columns,) = first.output.dims[1:3]
+    assert {rows, columns} == {0, 1} and second.output.dims[1:3] == first.output.dims[1:3]
+    assert [(c.axes, c.nbytes) for c in first.collectives] == [((rows,), 32 * 2 * 4)] * 2 + [
+        ((columns,), 34 * 2 * 4)] * 2
+    assert [(c.axes, c.nbytes) for c in second.collectives] == [((rows,), 32 * 8 * 4), ((columns,), 33 * 8 * 4)]

@@ -14,6 +14,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from meshplan.capture.control import UNKNOWN, static_trip_count
+from meshplan.capture.folding import fold_padded_window_sums
 
 # Primitives whose body is run as-is: calling them is the same as running their jaxpr.
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -73,6 +74,7 @@ def flatten(closed: jcore.ClosedJaxpr) -> FlatProgram:
     args = [prog.new_value(v.aval) for v in jaxpr.invars]
     prog.inputs = tuple(args)
     prog.outputs = tuple(_emit(prog, jaxpr, consts + args, top=True))
+    fold_padded_window_sums(prog)
     _prune(prog)
     return prog
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplan.errors import GraphError
-from meshplan.ir.node import Node
+from meshplan.ir.node import Node, OpKind
 
 Padding = tuple[tuple[int, int], ...]
 
@@ -214,6 +214,38 @@ def spatial_halo(size: int, out_size: int, window: int, stride: int, padding: tu
     if left > rows or right > rows:
         return None
     return Halo(max(left, 0), max(right, 0))
+
+
+def halo_window_padding(rows: int, out_rows: int, window: int, stride: int, padding: tuple[int, int],
+                        halo: Halo, window_dilation: int = 1, base_dilation: int = 1) -> tuple[int, int] | None:
+    """The padding of one device's share of a windowed op split in aligned blocks, once its block
+    of `rows` operand rows has its halo on both sides (`halo.left` + `rows` + `halo.right` rows,
+    the devices at either end filling theirs with the padding value): its `out_rows` windows then
+    slide over those rows as over the whole operand. None when the extended block is longer than
+    its windows reach (a window smaller than its stride skips rows: negative padding)."""
+    low = padding[0] - halo.left * base_dilation
+    extended = dilated(halo.left + rows + halo.right, base_dilation)
+    high = (out_rows - 1) * stride + dilated(window, window_dilation) - low - extended
+    return None if low < 0 or high < 0 else (low, high)
+
+
+def window_halo(node: Node, operand_shape: Sequence[int], dim: int, shards: int
+                ) -> tuple[Halo, tuple[int, int] | None] | None:
+    """The halo of a window reduction (`node`, of an operand of `operand_shape`) or of max
+    pooling's gradient (`node` a select_and_scatter_add, `operand_shape` its cotangent's) split
+    along `dim` in `shards` aligned blocks, and the padding of a block extended by it
+    (`halo_window_padding`), or None when such a split keeps no device's work next to its rows."""
+    ones = (1,) * node.rank
+    window, strides, padding = (node.attr(k) for k in ("window_dimensions", "window_strides", "padding"))
+    base, wdil = node.attr("base_dilation", ones)[dim], node.attr("window_dilation", ones)[dim]
+    # (input rows, output rows): max pooling's gradient carries its cotangent back to the pooled input's rows
+    rows, out_rows = (node.shape[dim], operand_shape[dim]) if node.kind is OpKind.SELECT_AND_SCATTER_ADD else (
+        operand_shape[dim], node.shape[dim])
+    halo = spatial_halo(rows, out_rows, window[dim], strides[dim], padding[dim], base, wdil, shards)
+    if halo is None:
+        return None
+    return halo, halo_window_padding(rows // shards, out_rows // shards, window[dim], strides[dim], padding[dim],
+                                     halo, wdil, base)
 
 
 def conv_tap_pairs(node: Node, lhs_shape: Sequence[int], kernel_shape: Sequence[int]) -> float:

@@ -22,6 +22,7 @@ from meshplan.errors import MeshError, PlanValidationError
 from meshplan.intra.plan import IntraPlan
 from meshplan.ir.node import OpKind
 from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered
+from meshplan.runtime.halo_pooling import halo_select_and_scatter_add, halo_split
 from meshplan.sharding.spec import ShardingSpec, conversion_path
 
 _AXIS_NAMES = ("x", "y", "z")
@@ -178,6 +179,7 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
     placed = {vid: named(specs[n]) for vid, n in captured.value_nodes.items()
               if is_placeable(specs[n], tuple(program.avals[vid].shape), graph[n].shape, logical)}
     conversions = _conversions(captured, plan, named)
+    own_steps = _halo_pooling_steps(captured, plan, mesh)
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(program.constants)
@@ -185,13 +187,30 @@ def _interpreter(captured: Captured, plan: IntraPlan, mesh: Mesh) -> Any:
         converted: dict[tuple[Any, ...], Any] = {}
         for k, step in enumerate(program.steps):
             ins = [_convert(env, converted, vid, conversions.get((k, i))) for i, vid in enumerate(step.inputs)]
-            outs = step.primitive.bind(*ins, **step.params)
+            outs = own_steps[k](*ins) if k in own_steps else step.primitive.bind(*ins, **step.params)
             outs = outs if step.primitive.multiple_results else (outs,)
             for vid, value in zip(step.outputs, outs, strict=True):
                 env[vid] = _constrain(value, placed.get(vid))
         return tuple(env[v] for v in program.outputs)
 
     return run
+
+
+def _halo_pooling_steps(captured: Captured, plan: IntraPlan, mesh: Mesh) -> dict[int, Any]:
+    """Step -> the function that runs it instead of its primitive: max pooling's gradients the
+    plan splits along a windowed dim, with the planned halo exchanges (`runtime/halo_pooling.py`)."""
+    program, graph = captured.program, captured.graph
+    chosen = {c.node: c for c in plan.nodes}
+    found = {}
+    for k, step in enumerate(program.steps):
+        if step.name != "select_and_scatter_add":
+            continue
+        node = graph[captured.value_nodes[step.outputs[0]]]
+        spec = chosen[node.id].output
+        split = halo_split(node, graph[node.operands[0]].shape, spec, plan.mesh.shape)
+        if split is not None:
+            found[k] = halo_select_and_scatter_add(step.primitive, step.params, split, mesh, partition_spec(spec))
+    return found
 
 
 @dataclass(frozen=True, slots=True)
