@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from meshplan.intra import strategy_problem
+from meshplan.intra.problem.arrays import Ragged
 from meshplan.intra.problem.memory import memory_rows, term_index
 from meshplan.intra.search.dual import EdgeDual
 from meshplan.intra.search.lagrange import price_memory
@@ -129,3 +131,26 @@ def test_memory_prices_without_the_dual(monkeypatch):
     result = price_memory(p, ix, terms, start, True, time.perf_counter() + 0.2, rng)
     assert result.bound == -np.inf
     assert p.is_feasible(result.choice) and result.cost <= p.cost_of(start)
+
+
+def test_repair_is_the_same_in_seconds_as_in_units():
+    """A problem in seconds (costs 1e-8..1e-5) repairs to the plan the same problem in units
+    repairs to: the price floor scales with the costs, not with one cost unit (which priced a
+    byte far above every strategy's cost and sent every node to its least memory)."""
+    repaired = []
+    for seed in range(40):
+        p = random_problem(np.random.default_rng(seed), nodes=6, density=0.5, memory=True)
+        rows = memory_rows(p.memory.lo, p.memory.hi, (np.zeros(0, np.int64),) * 2 + (np.zeros(0),), p.usage_limit)
+        greedy = np.array([int(np.argmin(p.costs.row(v))) for v in range(p.num_nodes)], dtype=np.int64)
+        plans = []
+        for scale in (1.0, 1e-6):
+            q = replace(p, costs=Ragged(p.costs.values * scale, p.costs.ptr),
+                        edge_costs=Ragged(p.edge_costs.values * scale, p.edge_costs.ptr))
+            terms = term_index(rows, q.memory.node, q.memory.usages, q.costs.ptr)
+            choice = greedy.copy()
+            assert repair(pairwise_index(q), terms, q.costs.values, np.zeros(len(rows)), choice, float("inf"))
+            plans.append(choice)
+        assert p.is_feasible(plans[1])
+        assert p.cost_of(plans[1]) == p.cost_of(plans[0]), seed
+        repaired.append(not np.array_equal(plans[0], greedy))
+    assert any(repaired)  # some instances needed repairing

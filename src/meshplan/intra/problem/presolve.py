@@ -66,6 +66,21 @@ class Presolved:
         picked[decided] = choice[self.owner[decided]]
         return self.maps.values[self.maps.ptr[:-1] + picked].astype(np.int64)
 
+    def reduce(self, choice: np.ndarray) -> np.ndarray | None:
+        """An assignment of the original problem -> the reduced problem's that expands to it
+        (None when presolve dropped one of its strategies or it breaks a fixed node's choice)."""
+        keep = [np.ones(k, dtype=bool) for k in self.problem.sizes]
+        for node, owner in enumerate(self.owner.tolist()):
+            row = self.maps.row(node)
+            if owner < 0:
+                if row[0] != choice[node]:
+                    return None
+                continue
+            keep[owner] &= row == choice[node]
+        if not all(k.any() for k in keep):
+            return None
+        return np.array([int(np.argmax(k)) for k in keep], dtype=np.int64)
+
 
 class _Work:
     """The problem as mutable per-node and per-edge arrays while reductions run."""

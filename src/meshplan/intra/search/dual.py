@@ -85,6 +85,14 @@ class EdgeDual:
         values = ix.forward + self.y[self.edge_u_lent] + self.y[self.edge_v_lent]
         return total + float(np.minimum.reduceat(values, self.edge_starts).sum())
 
+    def excess(self, unary: np.ndarray) -> np.ndarray:
+        """Per flat strategy, how far its node's part of `bound` rises when it is chosen: every
+        assignment that chooses it costs at least bound + excess (the other parts stay minimized)."""
+        ix = self.ix
+        node_part = unary - np.bincount(ix.target, weights=self.y, minlength=len(unary))
+        lows = np.minimum.reduceat(node_part, ix.ptr[:-1]) if ix.num_nodes else np.zeros(0)
+        return node_part - np.repeat(lows, np.diff(ix.ptr))
+
     def beliefs(self, unary: np.ndarray) -> np.ndarray:
         """Per flat strategy: its cost plus what every edge offers it (the star's T)."""
         total = unary.copy()

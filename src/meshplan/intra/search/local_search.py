@@ -155,11 +155,16 @@ def repair(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, lam: np.ndarr
 
 
 def _price_floor(unary: np.ndarray, capacity: np.ndarray) -> float:
-    """A small price per byte and row: one thousandth of the mean cost per byte of capacity."""
-    finite = unary[np.isfinite(unary)]
-    scale = float(np.abs(finite).mean()) if len(finite) else 1.0
-    room = float(np.abs(capacity).mean()) if len(capacity) else 1.0
-    return 1e-3 * max(scale, 1.0) / max(room, 1.0)
+    """A small price per byte and row: one thousandth of the mean cost per byte of capacity.
+
+    Scale-free (no floor at one cost unit or one byte): plans priced in seconds cost 1e-8..1e-4,
+    and a floor of 1e-3 "units" priced every byte a thousand times above any strategy's cost, so
+    the first raise sent every node to its least memory whatever it cost. Falls back to 1 only
+    for a zero scale (all costs zero, no room)."""
+    finite = np.abs(unary[np.isfinite(unary)])
+    scale = float(finite.mean()) if len(finite) else 0.0
+    room = float(np.abs(capacity).mean()) if len(capacity) else 0.0
+    return 1e-3 * (scale if scale > 0 else 1.0) / (room if room > 0 else 1.0)
 
 
 def improve_feasible(ix: PairwiseIndex, terms: TermIndex, unary: np.ndarray, choice: np.ndarray,
