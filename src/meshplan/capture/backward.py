@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from meshplan.capture.jaxpr import Captured
 from meshplan.errors import GraphError
 from meshplan.ir import Graph, GraphBuilder
-from meshplan.ir.autodiff import FLOAT_DTYPES, append_backward
+from meshplan.ir.autodiff import FLOAT_DTYPES, append_vjp
 
 
-def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> tuple[Graph, dict[int, int]] | None:
+def with_backward(captured: Captured, wrt_inputs: Sequence[int]
+                  ) -> tuple[Graph, dict[int, int], dict[int, int]] | None:
     """The captured graph plus the gradient nodes of the flat inputs `wrt_inputs`.
 
     A single scalar result is the loss. Otherwise each floating-point result j gets a cotangent
@@ -29,8 +30,9 @@ def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> tuple[Graph,
 
     Returns:
         (the extended graph, with the results and every gradient as outputs; {flat input
-        position: its gradient's node id} for the floating-point inputs of `wrt_inputs`), or
-        None when some op on the way has no VJP rule (plan the forward alone then).
+        position: its gradient's node id} for the floating-point inputs of `wrt_inputs`;
+        {forward node: its cotangent's node id} for the forward nodes the gradient flows
+        through), or None when some op on the way has no VJP rule (plan the forward alone then).
     """
     graph = captured.graph
     builder = GraphBuilder.from_graph(graph)
@@ -41,11 +43,13 @@ def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> tuple[Graph,
     try:  # mixed-dtype results or an op without a VJP rule: no backward to plan
         loss = results[0] if len(captured.output_nodes) == 1 and graph[results[0]].shape == () else \
             _cotangent_loss(builder, graph, results)
-        grads = append_backward(builder, loss, list(wrt.values()))
+        grads, cotangents = append_vjp(builder, loss, list(wrt.values()))
     except GraphError:
         return None
     builder.outputs(*dict.fromkeys([*captured.output_nodes, *grads.values()]))
-    return builder.build(), {i: grads[node] for i, node in wrt.items()}
+    forward = range(len(graph))
+    return builder.build(), {i: grads[node] for i, node in wrt.items()}, {
+        n: c for n, c in cotangents.items() if n in forward}
 
 
 def _cotangent_loss(builder: GraphBuilder, graph: Graph, results: Sequence[int]) -> int:

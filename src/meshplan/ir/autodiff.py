@@ -88,6 +88,13 @@ def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dic
         GraphError: the loss is not a float scalar, a `wrt` node is not floating-point, or an
             op between `wrt` and the loss has no VJP rule.
     """
+    return append_vjp(builder, loss, wrt)[0]
+
+
+def append_vjp(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """`append_backward`, also returning {forward node: id of its cotangent}: the sum of the
+    cotangents its users send back, for every node on a differentiable path from `wrt` to the
+    loss (a runtime that runs JAX's own VJP pins these to the plan's layouts)."""
     _check_request(builder, loss, wrt)
     forward = [builder.node(i) for i in range(loss + 1)]
     relevant = _relevant_nodes(forward, loss, set(wrt))
@@ -103,7 +110,7 @@ def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dic
             if operand in relevant and _is_differentiable(node, position):
                 cot = _operand_cotangent(builder, node, grads[node.id], position)
                 contributions.setdefault(operand, []).append(cot)
-    return {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}
+    return {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}, grads
 
 
 # -- driver internals ----------------------------------------------------------------------------

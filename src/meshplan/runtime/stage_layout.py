@@ -14,11 +14,13 @@ Three layouts, from simplest to Alpa's pipeshard:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.capture import Captured, capture
@@ -29,7 +31,7 @@ from meshplan.intra.plan import IntraPlan
 from meshplan.intra.solve import solve_intra
 from meshplan.ir import Graph
 from meshplan.runtime.replay import read, replay
-from meshplan.runtime.sharded import is_constrained, partition_spec, placeable_spec
+from meshplan.runtime.sharded import is_placeable, partition_spec, placeable_spec
 
 StageFn = Callable[..., Any]
 
@@ -97,7 +99,7 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
     """
     captured, planned, plan = plan_stage(fn, logical, options, params, x, targets, differentiate_input, name,
                                          backward, given)
-    graph, grads = planned
+    graph, grads, cotangents = planned
     specs = {c.node: c.output for c in plan.nodes}
     num_params, num_x = (len(jax.tree_util.tree_leaves(a)) for a in (params, x))
 
@@ -110,7 +112,7 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
     param_part, x_part = slice(0, num_params), slice(num_params, num_params + num_x)
     outputs = NamedSharding(mesh, PartitionSpec()) if targets is not None else jax.tree_util.tree_unflatten(
         captured.out_tree, [sharding(n) for n in captured.output_nodes])
-    return StageLayout(_constrained(captured, specs, logical, mesh), tree(params, inputs[param_part]),
+    return StageLayout(_constrained(captured, graph, specs, cotangents, logical, mesh), tree(params, inputs[param_part]),
                        tree(x, inputs[x_part]), outputs,
                        None if targets is None else tree(targets, inputs[num_params + num_x:]),
                        tree(params, grad_of[param_part]), tree(x, grad_of[x_part]), plan)
@@ -119,39 +121,77 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
 def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any, targets: Any = None,
                differentiate_input: bool = True, name: str = "stage", backward: bool = True,
                given: Callable[[Graph], IntraPlan] | None = None,
-               ) -> tuple[Captured, tuple[Graph, dict[int, int]], IntraPlan]:
+               ) -> tuple[Captured, tuple[Graph, dict[int, int], dict[int, int]], IntraPlan]:
     """Capture the stage, append its VJP and solve the intra-op ILP (or take `given`'s plan);
     arguments as `planned_layout`.
 
     Returns:
         (the captured forward; the planned graph, forward + VJP (or the forward alone when some
-        op has no VJP rule), with {flat input position: gradient node}; the plan).
+        op has no VJP rule), with {flat input position: gradient node} and {forward node: its
+        cotangent's node}; the plan).
     """
     args = (params, x) if targets is None else (params, x, targets)
     captured = capture(fn, *args, name=name)
     num_params, num_x = (len(jax.tree_util.tree_leaves(a)) for a in (params, x))
     planned = with_backward(captured, range(num_params + num_x if differentiate_input else num_params)) if backward \
         else None
-    planned = planned or (captured.graph, {})
+    planned = planned or (captured.graph, {}, {})
     return captured, planned, given(planned[0]) if given else solve_intra(planned[0], logical, options)
 
 
-def _constrained(captured: Captured, specs: dict[int, Any], logical: LogicalMesh, mesh: Mesh) -> StageFn:
-    """The captured function replayed at its top level, each planned split value constrained."""
+def _constrained(captured: Captured, graph: Graph, specs: dict[int, Any], cotangents: dict[int, int],
+                 logical: LogicalMesh, mesh: Mesh) -> StageFn:
+    """The captured function replayed at its top level, each value pinned to its planned layout
+    and its cotangent, in the backward JAX derives, to the layout the plan gives that cotangent.
+
+    Every value is pinned, replicated ones too, and so is every cotangent: the backward is JAX's
+    transpose of the replayed forward, whose values XLA's sharding propagation lays out where
+    nothing pins them; it spread the gradients' splits into them and gathered them again
+    (collectives the plan never priced). A plain sharding constraint would pin a cotangent to its
+    value's forward layout (its transpose), while the plan may lay the two out differently."""
     closed = captured.jaxpr
     jaxpr = closed.jaxpr
-    split = {var: NamedSharding(mesh, partition_spec(specs[n])) for var, n in captured.var_nodes.items()
-             if is_constrained(specs[n], tuple(var.aval.shape), captured.graph[n].shape, logical)}
+    named = lambda spec: NamedSharding(mesh, partition_spec(spec))  # noqa: E731
+    placeable = lambda n, var: is_placeable(specs[n], tuple(var.aval.shape), graph[n].shape, logical)  # noqa: E731
+    pins = {}
+    for var, n in captured.var_nodes.items():
+        back = cotangents.get(n)
+        forward = named(specs[n]) if placeable(n, var) else None
+        backward = named(specs[back]) if back is not None and placeable(back, var) else None
+        if forward is not None or backward is not None:
+            pins[var] = _pin(forward, backward)
 
-    def constrain(var: Any, value: Any) -> Any:
-        where = split.get(var)
-        return value if where is None else jax.lax.with_sharding_constraint(value, where)
+    def pin(var: Any, value: Any) -> Any:
+        where = pins.get(var)
+        return value if where is None else where(value)
 
     def stage(*args: Any) -> Any:
         flat = jax.tree_util.tree_leaves(args)
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update((var, constrain(var, value)) for var, value in zip(jaxpr.invars, flat, strict=True))
-        env = replay(jaxpr.eqns, env, constrain)
+        env.update((var, pin(var, value)) for var, value in zip(jaxpr.invars, flat, strict=True))
+        env = replay(jaxpr.eqns, env, pin)
         return jax.tree_util.tree_unflatten(captured.out_tree, [read(env, v) for v in jaxpr.outvars])
 
     return stage
+
+
+@functools.cache
+def _pin(forward: NamedSharding | None, backward: NamedSharding | None) -> Callable[[Any], Any]:
+    """The identity that constrains its value to `forward` and its cotangent to `backward` (None:
+    left as it is); on values without cotangents (integers) only the forward constraint."""
+
+    def constrain(value: Any, where: NamedSharding | None) -> Any:
+        return value if where is None else jax.lax.with_sharding_constraint(value, where)
+
+    @jax.custom_vjp
+    def pinned(value: Any) -> Any:
+        return constrain(value, forward)
+
+    pinned.defvjp(lambda value: (pinned(value), None), lambda _, cotangent: (constrain(cotangent, backward),))
+
+    def pin(value: Any) -> Any:
+        if not jnp.issubdtype(value.dtype, jnp.inexact):
+            return constrain(value, forward)
+        return pinned(value)
+
+    return pin
