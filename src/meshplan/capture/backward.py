@@ -8,6 +8,7 @@ nodes keep their ids, so a plan of the extended graph also lays out the captured
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from meshplan.capture.jaxpr import Captured
 from meshplan.errors import GraphError
@@ -15,8 +16,29 @@ from meshplan.ir import Graph, GraphBuilder
 from meshplan.ir.autodiff import FLOAT_DTYPES, append_vjp
 
 
-def with_backward(captured: Captured, wrt_inputs: Sequence[int]
-                  ) -> tuple[Graph, dict[int, int], dict[int, int]] | None:
+@dataclass(frozen=True, slots=True)
+class Backward:
+    """A captured forward's graph with its VJP appended.
+
+    Attributes:
+        graph: the forward's nodes (ids unchanged), then the VJP's.
+        grads: {flat input position: its gradient's node id}.
+        cotangents: {forward node: its cotangent's node id} for the nodes the gradient flows through.
+        contributions: {(forward node, operand position): the cotangent's node id it sends that operand}.
+    """
+
+    graph: Graph
+    grads: dict[int, int]
+    cotangents: dict[int, int]
+    contributions: dict[tuple[int, int], int]
+
+
+def forward_only(graph: Graph) -> Backward:
+    """A graph planned without its backward (no VJP rule on the way, or an inference stage)."""
+    return Backward(graph, {}, {}, {})
+
+
+def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> Backward | None:
     """The captured graph plus the gradient nodes of the flat inputs `wrt_inputs`.
 
     A single scalar result is the loss. Otherwise each floating-point result j gets a cotangent
@@ -29,10 +51,9 @@ def with_backward(captured: Captured, wrt_inputs: Sequence[int]
             inputs are skipped.
 
     Returns:
-        (the extended graph, with the results and every gradient as outputs; {flat input
-        position: its gradient's node id} for the floating-point inputs of `wrt_inputs`;
-        {forward node: its cotangent's node id} for the forward nodes the gradient flows
-        through), or None when some op on the way has no VJP rule (plan the forward alone then).
+        The extended graph, with the results and every gradient as outputs, and which nodes
+        differentiate what (gradients of the floating-point inputs of `wrt_inputs`); None when
+        some op on the way has no VJP rule (plan the forward alone then).
     """
     graph = captured.graph
     builder = GraphBuilder.from_graph(graph)
@@ -43,13 +64,14 @@ def with_backward(captured: Captured, wrt_inputs: Sequence[int]
     try:  # mixed-dtype results or an op without a VJP rule: no backward to plan
         loss = results[0] if len(captured.output_nodes) == 1 and graph[results[0]].shape == () else \
             _cotangent_loss(builder, graph, results)
-        grads, cotangents = append_vjp(builder, loss, list(wrt.values()))
+        vjp = append_vjp(builder, loss, list(wrt.values()))
     except GraphError:
         return None
-    builder.outputs(*dict.fromkeys([*captured.output_nodes, *grads.values()]))
-    forward = range(len(graph))
-    return builder.build(), {i: grads[node] for i, node in wrt.items()}, {
-        n: c for n, c in cotangents.items() if n in forward}
+    builder.outputs(*dict.fromkeys([*captured.output_nodes, *vjp.grads.values()]))
+    forward = range(len(graph))  # not the cotangent loss's own nodes
+    return Backward(builder.build(), {i: vjp.grads[node] for i, node in wrt.items()},
+                    {n: c for n, c in vjp.cotangents.items() if n in forward},
+                    {(n, i): c for (n, i), c in vjp.contributions.items() if n in forward})
 
 
 def _cotangent_loss(builder: GraphBuilder, graph: Graph, results: Sequence[int]) -> int:

@@ -88,13 +88,29 @@ def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dic
         GraphError: the loss is not a float scalar, a `wrt` node is not floating-point, or an
             op between `wrt` and the loss has no VJP rule.
     """
-    return append_vjp(builder, loss, wrt)[0]
+    return append_vjp(builder, loss, wrt).grads
 
 
-def append_vjp(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> tuple[dict[int, int], dict[int, int]]:
-    """`append_backward`, also returning {forward node: id of its cotangent}: the sum of the
-    cotangents its users send back, for every node on a differentiable path from `wrt` to the
-    loss (a runtime that runs JAX's own VJP pins these to the plan's layouts)."""
+@dataclass(frozen=True, slots=True)
+class Vjp:
+    """The backward nodes `append_vjp` appended, by what they differentiate.
+
+    Attributes:
+        grads: {wrt node: id of its gradient}.
+        cotangents: {forward node: id of its cotangent}, the sum of what its users send back, for
+            every node on a differentiable path from `wrt` to the loss.
+        contributions: {(forward node, operand position): id of the cotangent that node sends
+            back to that operand} (what its VJP rule built).
+    """
+
+    grads: dict[int, int]
+    cotangents: dict[int, int]
+    contributions: dict[tuple[int, int], int]
+
+
+def append_vjp(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> Vjp:
+    """`append_backward`, saying which node differentiates what (a runtime that runs JAX's own
+    VJP pins these to the plan's layouts)."""
     _check_request(builder, loss, wrt)
     forward = [builder.node(i) for i in range(loss + 1)]
     relevant = _relevant_nodes(forward, loss, set(wrt))
@@ -102,6 +118,7 @@ def append_vjp(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> tuple[di
     taken = {builder.node(i).name for i in range(len(builder))} | {""}
     contributions: dict[int, list[int]] = {loss: [_seed(builder, forward[loss])]}
     grads: dict[int, int] = {}
+    sent: dict[tuple[int, int], int] = {}
     for node in reversed(forward):
         if node.id not in relevant:
             continue
@@ -110,7 +127,9 @@ def append_vjp(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> tuple[di
             if operand in relevant and _is_differentiable(node, position):
                 cot = _operand_cotangent(builder, node, grads[node.id], position)
                 contributions.setdefault(operand, []).append(cot)
-    return {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}, grads
+                sent[(node.id, position)] = cot
+    wrt_grads = {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}
+    return Vjp(wrt_grads, grads, sent)
 
 
 # -- driver internals ----------------------------------------------------------------------------

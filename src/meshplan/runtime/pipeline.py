@@ -143,6 +143,22 @@ class Pipeline:
         """Lower stage `stage`'s jitted forward for `args` (arrays or ShapeDtypeStructs)."""
         return self._forwards[stage].lower(*args)
 
+    def lower_backward(self, stage: int, forward: Any, *args: Any) -> Any:
+        """Lower stage `stage`'s jitted backward for the forward's arguments `args` (arrays or
+        ShapeDtypeStructs), given `forward`, its compiled forward: the saved VJP takes the layouts
+        that executable gives it, the cotangent the stage's output layout."""
+        shapes = jax.eval_shape(self._forwards[stage], *args)
+        placed = jax.tree_util.tree_map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                                        shapes, forward.output_shardings)
+        y, vjp_fn = placed
+        if self.last_has_aux and stage == self.num_stages - 1:
+            y = y[0]
+        cotangent = jax.tree_util.tree_map(
+            lambda where, sub: jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), sub),
+            self.output_sharding(stage), _split_float(y)[0])
+        return self._backwards[stage].lower(vjp_fn, cotangent)
+
     def check_batch_split(self, stage: int, tree: Any, what: str) -> None:
         """Raise OptionsError if `data_parallel` cannot split `tree`'s leaves over stage `stage`'s devices."""
         count = self.stage_meshes[stage].devices.size
