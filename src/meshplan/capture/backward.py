@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from meshplan.capture.jaxpr import Captured
 from meshplan.errors import GraphError
@@ -25,25 +26,28 @@ class Backward:
         grads: {flat input position: its gradient's node id}.
         cotangents: {forward node: its cotangent's node id} for the nodes the gradient flows through.
         contributions: {(forward node, operand position): the cotangent's node id it sends that operand}.
+        seeds: {result node: the parameter holding its cotangent} (none for a scalar loss).
     """
 
     graph: Graph
     grads: dict[int, int]
     cotangents: dict[int, int]
     contributions: dict[tuple[int, int], int]
+    seeds: dict[int, int]
 
 
 def forward_only(graph: Graph) -> Backward:
     """A graph planned without its backward (no VJP rule on the way, or an inference stage)."""
-    return Backward(graph, {}, {}, {})
+    return Backward(graph, {}, {}, {}, {})
 
 
 def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> Backward | None:
     """The captured graph plus the gradient nodes of the flat inputs `wrt_inputs`.
 
-    A single scalar result is the loss. Otherwise each floating-point result j gets a cotangent
-    parameter c_j of its shape and the loss is sum_j sum(result_j * c_j): its gradients are the
-    VJP at those cotangents, which is what the stage's backward computes.
+    A single scalar result is the loss. Otherwise each floating-point result gets a cotangent
+    parameter of its shape and the VJP at those cotangents is appended, which is what the stage's
+    backward computes (no loss sum(result * cotangent) is formed: the runtime never computes one,
+    so the plan must not price its product and all-reduce).
 
     Args:
         captured: from `meshplan.capture.capture`.
@@ -61,26 +65,17 @@ def with_backward(captured: Captured, wrt_inputs: Sequence[int]) -> Backward | N
     wrt = {i: captured.input_nodes[i] for i in wrt_inputs if graph[captured.input_nodes[i]].dtype in FLOAT_DTYPES}
     if not results:
         return None
-    try:  # mixed-dtype results or an op without a VJP rule: no backward to plan
-        loss = results[0] if len(captured.output_nodes) == 1 and graph[results[0]].shape == () else \
-            _cotangent_loss(builder, graph, results)
-        vjp = append_vjp(builder, loss, list(wrt.values()))
+    try:  # an op without a VJP rule: no backward to plan
+        scalar_loss = len(captured.output_nodes) == 1 and graph[results[0]].shape == ()
+        seeds = {results[0]: None} if scalar_loss else {n: _cotangent(builder, graph[n], n) for n in results}
+        vjp = append_vjp(builder, seeds, list(wrt.values()))
     except GraphError:
         return None
     builder.outputs(*dict.fromkeys([*captured.output_nodes, *vjp.grads.values()]))
-    forward = range(len(graph))  # not the cotangent loss's own nodes
-    return Backward(builder.build(), {i: vjp.grads[node] for i, node in wrt.items()},
-                    {n: c for n, c in vjp.cotangents.items() if n in forward},
-                    {(n, i): c for (n, i), c in vjp.contributions.items() if n in forward})
+    return Backward(builder.build(), {i: vjp.grads[node] for i, node in wrt.items()}, vjp.cotangents,
+                    vjp.contributions, {} if scalar_loss else seeds)
 
 
-def _cotangent_loss(builder: GraphBuilder, graph: Graph, results: Sequence[int]) -> int:
-    """sum_j sum(result_j * c_j) with a new cotangent parameter c_j per result."""
-    loss = None
-    for n in results:
-        node = graph[n]
-        cotangent = builder.parameter(node.shape, node.dtype, name=f"cotangent.{node.name or n}")
-        product = builder.mul(n, cotangent)
-        term = builder.reduce(product, range(node.rank)) if node.rank else product
-        loss = term if loss is None else builder.add(loss, term)
-    return loss
+def _cotangent(builder: GraphBuilder, node: Any, n: int) -> int:
+    """A new parameter holding result `n`'s cotangent."""
+    return builder.parameter(node.shape, node.dtype, name=f"cotangent.{node.name or n}")

@@ -156,7 +156,7 @@ class Pipeline:
         cotangent = jax.tree_util.tree_map(
             lambda where, sub: jax.tree_util.tree_map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), sub),
-            self.output_sharding(stage), _split_float(y)[0])
+            self.layouts[stage].output_grads, _split_float(y)[0])
         return self._backwards[stage].lower(vjp_fn, cotangent)
 
     def check_batch_split(self, stage: int, tree: Any, what: str) -> None:
@@ -216,7 +216,7 @@ def _jit_stage(layout: StageLayout, is_last: bool, has_aux: bool = False,
     else:
         forward = jax.jit(lambda p, x: _vjp(fn, p, x), in_shardings=(layout.params, layout.inputs),
                           out_shardings=(layout.outputs, None))
-    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.outputs),
+    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.output_grads),
                        out_shardings=(layout.param_grads, layout.input_grads))
     return forward, backward
 
@@ -329,7 +329,7 @@ class _Run:
         if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
             ct = self.seed.astype(self.losses[0].dtype)
         else:
-            ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
+            ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.layouts[s].output_grads)
         grad, dx = self.pipeline.run_backward_step(s, self.vjps.pop((s, m)), ct, self.params[s],
                                                    self.saved.pop((s, m), None))
         if s not in self.grads:

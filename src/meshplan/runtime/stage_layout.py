@@ -50,6 +50,7 @@ class StageLayout:
         targets: the sharding of `targets` (last stage only; None otherwise).
         param_grads: the sharding of the params' gradients (default: `params`).
         input_grads: the sharding of `x`'s cotangent, the backward's second result (default: `inputs`).
+        output_grads: the sharding of the cotangent of `y` the backward takes (default: `outputs`).
         plan: the stage's IntraPlan when the layout was planned.
     """
 
@@ -60,6 +61,7 @@ class StageLayout:
     targets: Any = None
     param_grads: Any = None
     input_grads: Any = None
+    output_grads: Any = None
     plan: IntraPlan | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +69,8 @@ class StageLayout:
             object.__setattr__(self, "param_grads", self.params)
         if self.input_grads is None:
             object.__setattr__(self, "input_grads", self.inputs)
+        if self.output_grads is None:
+            object.__setattr__(self, "output_grads", self.outputs)
 
 
 def replicated_layout(fn: StageFn, mesh: Mesh, is_last: bool) -> StageLayout:
@@ -112,12 +116,13 @@ def planned_layout(fn: StageFn, mesh: Mesh, logical: LogicalMesh, options: Intra
     grad_of = [sharding(grads[i]) if i in grads else where for i, where in enumerate(inputs)]
     tree = lambda example, leaves: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(example), leaves)
     param_part, x_part = slice(0, num_params), slice(num_params, num_params + num_x)
-    outputs = NamedSharding(mesh, PartitionSpec()) if targets is not None else jax.tree_util.tree_unflatten(
-        captured.out_tree, [sharding(n) for n in captured.output_nodes])
+    outputs, output_grads = (NamedSharding(mesh, PartitionSpec()),) * 2 if targets is not None else (
+        jax.tree_util.tree_unflatten(captured.out_tree, [sharding(m) for m in nodes])
+        for nodes in (captured.output_nodes, [planned.seeds.get(n) or n for n in captured.output_nodes]))
     fn = _constrained(captured, _Layouts(planned, plan, logical, mesh))
     return StageLayout(fn, tree(params, inputs[param_part]), tree(x, inputs[x_part]), outputs,
                        None if targets is None else tree(targets, inputs[num_params + num_x:]),
-                       tree(params, grad_of[param_part]), tree(x, grad_of[x_part]), plan)
+                       tree(params, grad_of[param_part]), tree(x, grad_of[x_part]), output_grads, plan)
 
 
 def plan_stage(fn: StageFn, logical: LogicalMesh, options: IntraOptions, params: Any, x: Any, targets: Any = None,
