@@ -181,7 +181,7 @@ def _constrained(captured: Captured, layouts: _Layouts) -> StageFn:
 
 @dataclass(frozen=True)
 class _Layouts:
-    """The stage plan's layouts as JAX shardings (no slots: `specs` is cached on the instance)."""
+    """The stage plan's layouts as JAX shardings (no slots: the lookups are cached on the instance)."""
 
     planned: Backward
     plan: IntraPlan
@@ -189,12 +189,16 @@ class _Layouts:
     mesh: Mesh
 
     @functools.cached_property
+    def chosen(self) -> dict[int, Any]:
+        return {c.node: c for c in self.plan.nodes}
+
+    @functools.cached_property
     def specs(self) -> dict[int, Any]:
-        return {c.node: c.output for c in self.plan.nodes}
+        return {n: c.output for n, c in self.chosen.items()}
 
     def operand_specs(self, node: int) -> tuple[Any, ...]:
         """The layouts `node`'s strategy reads its operands in."""
-        return self.plan.nodes[node].operands
+        return self.chosen[node].operands
 
     def sharding(self, node: int | None, var: Any) -> NamedSharding | None:
         """Node's planned layout for the value of `var` (None: no node, or one it cannot take)."""
