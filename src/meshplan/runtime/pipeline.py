@@ -146,7 +146,7 @@ class Pipeline:
     def lower_backward(self, stage: int, forward: Any, *args: Any) -> Any:
         """Lower stage `stage`'s jitted backward for the forward's arguments `args` (arrays or
         ShapeDtypeStructs), given `forward`, its compiled forward: the saved VJP takes the layouts
-        that executable gives it, the cotangent the stage's output layout."""
+        that executable gives it, the cotangent its layout's `output_grads`."""
         shapes = jax.eval_shape(self._forwards[stage], *args)
         placed = jax.tree_util.tree_map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
                                         shapes, forward.output_shardings)
