@@ -55,6 +55,16 @@ def test_hlo_collectives_read_every_group_form_kind_and_size():
     assert found["ags"].kind == "all-gather" and found["ags"].op_name == "jit(f)/dot_general"
 
 
+def test_hlo_collectives_read_shardy_sub_axes():
+    """Shardy names a group over part of an axis of its (reshaped) mesh as a sub-axis 'a':(pre)size:
+    the `size` devices after every `pre`-th along it (seen on a 2x2x2 pipeshard stage: a 2-way
+    all-to-all over mesh axis 2 of a mesh whose axis_2 holds axes 0 and 2)."""
+    line = ("  %s = (f32[2,64]{1,0}, f32[2,64]{1,0}) all-to-all(%c0, %c1), channel_id=3, replica_groups="
+            "mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_2':(PRE)2}")
+    minor, major = (hlo_collectives(line.replace("PRE", pre), (2, 2, 2))[0] for pre in ("2", "1"))
+    assert minor.axes == (2,) and major.axes == (0,)
+
+
 def test_axis_groups_of_a_row_major_mesh():
     assert axis_groups((2, 4), (0,)) == {frozenset({j, 4 + j}) for j in range(4)}
     assert axis_groups((2, 4), (1,)) == {frozenset(range(4)), frozenset(range(4, 8))}

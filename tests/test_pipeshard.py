@@ -171,20 +171,21 @@ def test_dump_debug_info(tmp_path):
     f = parallelize(staged_loss, method=PipeshardParallel(2, schedule="gpipe", stage_sharding="replicated"))
     f(params, x, y)
     paths = f.dump_debug_info(tmp_path / "debug")
-    assert [p.name for p in paths] == ["stage_0_forward.hlo.txt", "stage_0_memory.txt", "stage_1_forward.hlo.txt",
-                                       "stage_1_memory.txt", "plan.json", "placements.json"]
+    assert [p.name for p in paths] == [f"stage_{k}_{part}" for k in (0, 1) for part in (
+        "forward.hlo.txt", "backward.hlo.txt", "memory.txt")] + ["plan.json", "placements.json"]
     assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == sorted(p.name for p in paths)  # no temp files
     # Two tanh layers per stage, traced at the micro-batch size 8 / 2 = 4; stage 1 also reads targets.
-    first, second = paths[0].read_text(), paths[2].read_text()
+    first, second = paths[0].read_text(), paths[3].read_text()
     assert first.count(" tanh(") == 2 and second.count(" tanh(") == 2
     assert "f32[4,16]" in first and "f32[4,32]" in second and "f32[4,4]" in second
-    assert "argument_size_in_bytes" in paths[1].read_text()
-    plan = Plan.from_json(paths[4].read_text())
+    assert "f32[4,16]" in paths[1].read_text()  # the backward, at the micro-batch size too
+    assert "argument_size_in_bytes" in paths[2].read_text()
+    plan = Plan.from_json(paths[6].read_text())
     assert plan == f.get_plan() and plan.source == "pipeshard" and plan.schedule == "gpipe"
     assert plan.num_microbatches == 2 and plan.option("stage_sharding") == "replicated" and plan.prediction is None
     assert [(s.first_layer, s.last_layer, s.devices, s.logical_mesh, s.intra_plan) for s in plan.stages] == [
         (0, 0, (0, 1, 2, 3), (2, 2), None), (1, 1, (4, 5, 6, 7), (2, 2), None)]
-    summary = json.loads(paths[5].read_text())
+    summary = json.loads(paths[7].read_text())
     placements = summary["stages"]
     assert summary["events"] == ["F0.0", "F0.1", "F1.0", "F1.1", "B1.0", "B0.0", "B1.1", "B0.1"]
     assert len(placements) == 2 and len(placements[1]["inputs"]) == 4 + 1 + 1  # 2 layers' (w, b), x, targets
@@ -235,7 +236,7 @@ def test_data_parallel_stage_forwards_take_batch_split_activations(tmp_path):
     params, (x, y) = stage_params(2), data()
     f = parallelize(staged_loss, method=PipeshardParallel(2, stage_sharding="data_parallel"))
     f(params, x, y)
-    first, _, second, _, summary, _ = f.dump_debug_info(tmp_path)
+    first, _, _, second, _, _, summary, _ = f.dump_debug_info(tmp_path)
     # Micro-batches of 4 rows split over 4 devices per stage (one row each); weights whole.
     assert "f32[1,16]" in first.read_text() and "f32[16,32]" in first.read_text()
     assert "f32[4,16]" not in first.read_text()

@@ -287,6 +287,10 @@ def test_example_steps_train_like_one_device(name, method):
         assert compiled.program.num_statistics >= 1 and compiled.program.rules == (Rule("sum"), Rule("join", 0))
     if name == "summarization":  # a summed loss and its int32 token count (the metrics' "num_labels")
         assert compiled.program.rules == (Rule("sum"), Rule("same"))
+    if method.num_micro_batches == 2:  # 2 stages of 4 devices on (2, 2) meshes: the stages run their plans
+        assert [s.logical_mesh for s in plan.stages] == [(2, 2), (2, 2)]
+        for check in parallel.get_collectives():
+            assert check.agrees, (check.missing, check.unplanned)
 
 
 def test_summarization_eval_step_runs_forward_only_like_one_device():

@@ -89,12 +89,46 @@ def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dic
             op between `wrt` and the loss has no VJP rule.
     """
     _check_request(builder, loss, wrt)
-    forward = [builder.node(i) for i in range(loss + 1)]
-    relevant = _relevant_nodes(forward, loss, set(wrt))
+    return append_vjp(builder, {loss: None}, wrt).grads
+
+
+@dataclass(frozen=True, slots=True)
+class Vjp:
+    """The backward nodes `append_vjp` appended, by what they differentiate.
+
+    Attributes:
+        grads: {wrt node: id of its gradient}.
+        cotangents: {forward node: id of its cotangent}, the sum of what its users send back, for
+            every node on a differentiable path from `wrt` to the outputs.
+        contributions: {(forward node, operand position): id of the cotangent that node sends
+            back to that operand} (what its VJP rule built).
+    """
+
+    grads: dict[int, int]
+    cotangents: dict[int, int]
+    contributions: dict[tuple[int, int], int]
+
+
+def append_vjp(builder: GraphBuilder, seeds: dict[int, int | None], wrt: Sequence[int]) -> Vjp:
+    """Append the vector-Jacobian product of the outputs `seeds` at their cotangents, saying
+    which node differentiates what (a runtime that runs JAX's own VJP pins these to the plan's
+    layouts).
+
+    Args:
+        builder: as `append_backward`.
+        seeds: {output node: the node holding its cotangent (of its shape and dtype), or None
+            for a scalar loss seeded with 1}.
+        wrt: as `append_backward`.
+    """
+    roots = list(seeds)
+    forward = [builder.node(i) for i in range(max(roots) + 1)]
+    relevant = _relevant_nodes(forward, roots, set(wrt))
     _check_rules(forward, relevant)  # before appending anything, so a failure leaves the builder as it was
     taken = {builder.node(i).name for i in range(len(builder))} | {""}
-    contributions: dict[int, list[int]] = {loss: [_seed(builder, forward[loss])]}
+    contributions: dict[int, list[int]] = {
+        r: [_seed(builder, forward[r]) if c is None else c] for r, c in seeds.items() if r in relevant}
     grads: dict[int, int] = {}
+    sent: dict[tuple[int, int], int] = {}
     for node in reversed(forward):
         if node.id not in relevant:
             continue
@@ -103,7 +137,9 @@ def append_backward(builder: GraphBuilder, loss: int, wrt: Sequence[int]) -> dic
             if operand in relevant and _is_differentiable(node, position):
                 cot = _operand_cotangent(builder, node, grads[node.id], position)
                 contributions.setdefault(operand, []).append(cot)
-    return {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}
+                sent[(node.id, position)] = cot
+    wrt_grads = {x: grads[x] if x in grads else _zero_grad(builder, builder.node(x), taken) for x in wrt}
+    return Vjp(wrt_grads, grads, sent)
 
 
 # -- driver internals ----------------------------------------------------------------------------
@@ -128,14 +164,14 @@ def _is_differentiable(node: Node, position: int) -> bool:
     return rule is None or position not in rule.no_grad
 
 
-def _relevant_nodes(forward: list[Node], loss: int, wrt: set[int]) -> set[int]:
-    """Nodes on a differentiable path from some `wrt` node to the loss."""
+def _relevant_nodes(forward: list[Node], roots: Sequence[int], wrt: set[int]) -> set[int]:
+    """Nodes on a differentiable path from some `wrt` node to one of the `roots` (the loss)."""
     reached: set[int] = set()
     for node in forward:
         if node.dtype in FLOAT_DTYPES and (node.id in wrt or any(
                 o in reached and _is_differentiable(node, p) for p, o in enumerate(node.operands))):
             reached.add(node.id)
-    needed = {loss} if loss in reached else set()
+    needed = {r for r in roots if r in reached}
     for node in reversed(forward):
         if node.id in needed:
             needed.update(o for p, o in enumerate(node.operands) if o in reached and _is_differentiable(node, p))

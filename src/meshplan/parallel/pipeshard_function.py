@@ -54,7 +54,8 @@ from meshplan.parallel.stage_pricing import StageSearch, search_stages
 from meshplan.plan import Plan, Prediction, Stage
 from meshplan.runtime.abstract import chain_inputs, dtype_of, shapes_of
 from meshplan.runtime.boundary import split_into_stages
-from meshplan.runtime.diagnostics import compile_lowered, warn_if_rematerialized
+from meshplan.runtime.collective_check import CollectiveCheck, check_collectives
+from meshplan.runtime.diagnostics import CompileDiagnostics, compile_lowered, warn_if_rematerialized
 from meshplan.runtime.handoff import absent, is_multi_process, move, owns, settled
 from meshplan.runtime.loss_layers import LossLayers, count_marks, split_loss
 from meshplan.runtime.micro_batching import MicroProgram, Rule, micro_batch_program
@@ -175,6 +176,34 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         """Where each stage of the last call keeps its values (jitted stage functions included)."""
         return _parts(self._require_last()).pipeline.layouts
 
+    def get_collectives(self) -> tuple[CollectiveCheck, ...]:
+        """Per stage of the last call, its planned collectives next to those its compiled programs
+        run (kind, mesh axes, bytes per device), after the documented normalisation
+        (meshplan.runtime.collective_check): the stage's plan prices its forward and backward in
+        one graph, so the collectives of its forward and backward executables (at micro-batch
+        shapes) are compared with it together; an inference stage's forward alone. The update of
+        a train step is not part of the stage plans (XLA lays it out) and is not compared.
+
+        Raises:
+            OptionsError: not called yet, or the stages are not planned (stage_sharding="auto").
+        """
+        if self.method.stage_sharding != "auto":
+            raise OptionsError(f"{self.__name__}.get_collectives() compares each stage's compiled collectives with "
+                               f"its intra-op plan, but stage_sharding={self.method.stage_sharding!r} plans none; "
+                               f"use PipeshardParallel(stage_sharding='auto')")
+        compiled = _parts(self._require_last())
+        return tuple(_stage_check(compiled, k, self._stage_programs(compiled, k))
+                     for k in range(compiled.pipeline.num_stages))
+
+    def _stage_programs(self, compiled: _Compiled, k: int) -> list[tuple[Any, CompileDiagnostics]]:
+        """Stage k's forward and (when it has one) backward executables, compiled for its example
+        inputs, each with its compile diagnostics."""
+        pipeline, example = compiled.pipeline, compiled.example_inputs[k]
+        forward = compile_lowered(pipeline.lower_forward(k, *example))
+        if pipeline.forward_only:
+            return [forward]
+        return [forward, compile_lowered(pipeline.lower_backward(k, forward[0], *example))]
+
     def get_stage_search(self) -> StageSearch | None:
         """What the inter-op pass chose and from which layer costs (stages="auto"; else None)."""
         return _parts(self._require_last()).search
@@ -183,20 +212,25 @@ class PipeshardFunction(ParallelizedFunction[_Compiled | _StepCompiled | _Forwar
         return _parts(compiled).plan
 
     def _debug_files(self, compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> dict[str, DebugFile]:
-        """Per stage k, stage_<k>_forward.hlo.txt (the compiled forward at micro-batch shapes) and
-        stage_<k>_memory.txt (its memory analysis); plan.json (the Plan); placements.json (per
-        stage its forward's input and output shardings and compile diagnostics; the last call's
-        steps as "F0.1": phase, stage, micro-batch). A stage whose forward XLA had to fully
-        rematerialize raises a RematerializationWarning."""
+        """Per stage k, stage_<k>_forward.hlo.txt and stage_<k>_backward.hlo.txt (the compiled
+        forward and backward at micro-batch shapes), stage_<k>_memory.txt (the forward's memory
+        analysis) and, for a planned stage, stage_<k>_collectives.json (`get_collectives`);
+        plan.json (the Plan); placements.json (per stage its forward's input and output shardings
+        and compile diagnostics; the last call's steps as "F0.1": phase, stage, micro-batch). A
+        stage program XLA had to fully rematerialize raises a RematerializationWarning."""
         step = compiled if isinstance(compiled, _StepCompiled) else None
         compiled = _parts(compiled)
         files: dict[str, DebugFile] = {}
         placements = []
-        for k, example in enumerate(compiled.example_inputs):
-            executable, diagnostics = compile_lowered(compiled.pipeline.lower_forward(k, *example))
-            warn_if_rematerialized(diagnostics, f"{self.__name__} stage {k} forward")
-            files[f"stage_{k}_forward.hlo.txt"] = executable.as_text()
+        for k in range(compiled.pipeline.num_stages):
+            programs = self._stage_programs(compiled, k)
+            for (executable, diagnostics), part in zip(programs, ("forward", "backward"), strict=False):
+                warn_if_rematerialized(diagnostics, f"{self.__name__} stage {k} {part}")
+                files[f"stage_{k}_{part}.hlo.txt"] = executable.as_text()
+            executable, diagnostics = programs[0]
             files[f"stage_{k}_memory.txt"] = f"{executable.memory_analysis()}\n"
+            if compiled.pipeline.layouts[k].plan is not None:
+                files[f"stage_{k}_collectives.json"] = _stage_check(compiled, k, programs).to_dict()
             placements.append({"inputs": [str(s) for s in jax.tree_util.tree_leaves(executable.input_shardings)],
                                "outputs": [str(s) for s in jax.tree_util.tree_leaves(executable.output_shardings)],
                                **diagnostics.to_dict()})
@@ -550,6 +584,12 @@ def _rebuilt(values: list[Any], rule: Rule) -> Any:
     if rule.how == "sum":
         return sum_of(values)
     return jnp.concatenate(values, axis=rule.dim) if rule.how == "join" else values[0]
+
+
+def _stage_check(compiled: _Compiled, k: int, programs: Sequence[tuple[Any, CompileDiagnostics]]) -> CollectiveCheck:
+    """Stage k's plan next to the collectives of its compiled `programs` together."""
+    return check_collectives(compiled.pipeline.layouts[k].plan, [e.as_text() for e, _ in programs],
+                             jax.default_backend())
 
 
 def _parts(compiled: _Compiled | _StepCompiled | _ForwardCompiled) -> _Compiled:

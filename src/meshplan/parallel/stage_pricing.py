@@ -127,10 +127,11 @@ def _layer_costs(layer_fns: Sequence[Callable[..., Any]], layer_params: Sequence
 def _plan_layer(fn: Callable[..., Any], mesh: LogicalMesh, options: IntraOptions, params: Any, act: Any, targets: Any,
                 k: int, num_micro_batches: int) -> LayerCost:
     try:
-        captured, (graph, grads), plan = plan_stage(fn, mesh, options, params, act, targets,
+        captured, backward, plan = plan_stage(fn, mesh, options, params, act, targets,
                                                     differentiate_input=k > 0, name=f"layer{k}")
     except InfeasiblePlanError:
         return _INFEASIBLE
+    graph, grads = backward.graph, backward.grads
     num_params = len(jax.tree_util.tree_leaves(params))
     weights = captured.input_nodes[:num_params]
     given = set(captured.input_nodes)

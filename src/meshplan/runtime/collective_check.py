@@ -27,7 +27,7 @@ the plan did not ask for).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,17 +131,20 @@ class CollectiveCheck:
         }
 
 
-def check_collectives(plan: IntraPlan, hlo_text: str, backend: str) -> CollectiveCheck:
+def check_collectives(plan: IntraPlan, hlo_text: str | Sequence[str], backend: str) -> CollectiveCheck:
     """Compare the collectives `plan` implies with those of its compiled executable's HLO.
 
     Args:
         plan: the IntraPlan the executable was built from.
-        hlo_text: the compiled executable's HLO (`Compiled.as_text()`).
+        hlo_text: the compiled executable's HLO (`Compiled.as_text()`); or the HLO of each
+            executable that runs part of the plan (a pipeshard stage's forward and backward),
+            whose collectives together are compared with the plan's.
         backend: the platform it was compiled for (`jax.default_backend()`), which decides
             how a reduce-scatter is emitted.
     """
     planned = planned_collectives(plan, backend)
-    compiled = hlo_collectives(hlo_text, plan.mesh.shape)
+    texts = (hlo_text,) if isinstance(hlo_text, str) else tuple(hlo_text)
+    compiled = tuple(c for text in texts for c in hlo_collectives(text, plan.mesh.shape))
     return compare(planned, compiled, backend)
 
 

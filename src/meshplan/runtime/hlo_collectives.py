@@ -4,7 +4,8 @@ Each collective instruction of the optimized HLO (`jax.stages.Compiled.as_text()
 with its result shapes, its operands' shapes and its device groups. The groups are written
 in one of three forms, all read here: explicit lists (`{{0,1},{2,3}}`), iota tiles
 (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) and Shardy's mesh form (`mesh['axis_0'=2,'axis_1'=4]
-{'axis_1'}`, optionally with `device_ids=...`). Device ids are the positions in the jit's
+{'axis_1'}`, optionally with `device_ids=...`, a member possibly a sub-axis: `{'axis_1':(2)2}`).
+Device ids are the positions in the jit's
 device assignment, i.e. row-major over the plan's logical mesh, so a group set names the mesh
 axes it spans when it equals the groups of those axes.
 """
@@ -189,11 +190,21 @@ def _mesh_groups(axes_text: str, device_ids: str | None, grouped: str) -> list[f
         ids = _iota_tile(dims, perm.group(1) if perm else None)
     else:
         ids = np.array([int(i) for i in re.findall(r"\d+", device_ids)])
-    ids = ids.reshape(sizes)
-    members = {name for name in re.findall(r"'([^']+)'", grouped)}
-    inside = [k for k, (name, _) in enumerate(names) if name in members]
-    outside = [k for k in range(len(names)) if k not in inside]
-    rows = np.transpose(ids, (*outside, *inside)).reshape(-1, math.prod(sizes[k] for k in inside))
+    # A member is an axis ('a') or a sub-axis of one ('a':(pre)size: the `size` devices after
+    # every `pre`-th along it), so each axis is cut into (pre, size, rest) dims.
+    members = {name: (int(pre or 1), int(size) if size else None)
+               for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", grouped)}
+    dims, inside = [], []
+    for name, n in names:
+        pre, size = members.get(name, (1, None))
+        size = int(n) // pre if size is None else size
+        parts = (pre, size, int(n) // (pre * size))
+        if name in members:
+            inside.append(len(dims) + 1)
+        dims.extend(parts)
+    ids = ids.reshape(dims)
+    outside = [k for k in range(len(dims)) if k not in inside]
+    rows = np.transpose(ids, (*outside, *inside)).reshape(-1, math.prod(dims[k] for k in inside))
     return [frozenset(int(i) for i in row) for row in rows]
 
 

@@ -143,6 +143,22 @@ class Pipeline:
         """Lower stage `stage`'s jitted forward for `args` (arrays or ShapeDtypeStructs)."""
         return self._forwards[stage].lower(*args)
 
+    def lower_backward(self, stage: int, forward: Any, *args: Any) -> Any:
+        """Lower stage `stage`'s jitted backward for the forward's arguments `args` (arrays or
+        ShapeDtypeStructs), given `forward`, its compiled forward: the saved VJP takes the layouts
+        that executable gives it, the cotangent its layout's `output_grads`."""
+        shapes = jax.eval_shape(self._forwards[stage], *args)
+        placed = jax.tree_util.tree_map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                                        shapes, forward.output_shardings)
+        y, vjp_fn = placed
+        if self.last_has_aux and stage == self.num_stages - 1:
+            y = y[0]
+        cotangent = jax.tree_util.tree_map(
+            lambda where, sub: jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), sub),
+            self.layouts[stage].output_grads, _split_float(y)[0])
+        return self._backwards[stage].lower(vjp_fn, cotangent)
+
     def check_batch_split(self, stage: int, tree: Any, what: str) -> None:
         """Raise OptionsError if `data_parallel` cannot split `tree`'s leaves over stage `stage`'s devices."""
         count = self.stage_meshes[stage].devices.size
@@ -200,7 +216,7 @@ def _jit_stage(layout: StageLayout, is_last: bool, has_aux: bool = False,
     else:
         forward = jax.jit(lambda p, x: _vjp(fn, p, x), in_shardings=(layout.params, layout.inputs),
                           out_shardings=(layout.outputs, None))
-    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.outputs),
+    backward = jax.jit(lambda vjp_fn, cotangent: vjp_fn(cotangent), in_shardings=(None, layout.output_grads),
                        out_shardings=(layout.param_grads, layout.input_grads))
     return forward, backward
 
@@ -313,7 +329,7 @@ class _Run:
         if last:  # the seed takes the loss's dtype: a bf16 loss needs a bf16 cotangent
             ct = self.seed.astype(self.losses[0].dtype)
         else:
-            ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.output_sharding(s))
+            ct = move_tree(self.cotangents.pop((s + 1, m)), self.pipeline.layouts[s].output_grads)
         grad, dx = self.pipeline.run_backward_step(s, self.vjps.pop((s, m)), ct, self.params[s],
                                                    self.saved.pop((s, m), None))
         if s not in self.grads:

@@ -24,13 +24,19 @@ CALLS = ("jit", "pjit", "closed_call", "core_call")  # call primitives whose bod
 ValueHook = Callable[[Any, Any], Any]
 
 
-def replay(eqns: Sequence[Any], env: dict[Any, Any], hook: ValueHook | None = None) -> dict[Any, Any]:
+def replay(eqns: Sequence[Any], env: dict[Any, Any], hook: ValueHook | None = None,
+           instead: dict[int, Callable[..., Any]] | None = None) -> dict[Any, Any]:
     """Run `eqns` in order, reading and writing `env` (Var -> value); return `env`.
 
-    `env` must hold the equations' free variables (inputs and constants) on entry.
+    `env` must hold the equations' free variables (inputs and constants) on entry. `instead[k]`,
+    when given, computes equation k's results from its inputs in place of its primitive (the
+    same values, e.g. with a VJP of its own).
     """
-    for eqn in eqns:
-        outs = eqn.primitive.bind(*(read(env, v) for v in eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+    instead = instead or {}
+    for k, eqn in enumerate(eqns):
+        ins = [read(env, v) for v in eqn.invars]
+        outs = instead[k](*ins) if k in instead else eqn.primitive.bind(
+            *ins, **eqn.primitive.get_bind_params(eqn.params))
         for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else (outs,), strict=True):
             env[var] = value if hook is None else hook(var, value)
     return env
