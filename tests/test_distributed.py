@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from meshplan.distributed import (
     make_executor,
     run_tasks,
 )
+from meshplan.distributed.executors import fork_is_safe
 from meshplan.errors import OptionsError
 from meshplan.models.transformer import PRESETS
 from meshplan.simulator import PlannerOptions, TrainingJob, pricing, simulate
@@ -67,11 +70,43 @@ def reference() -> dict:
 
 def test_results_in_task_order_from_every_local_executor():
     tasks = [Task(f"square {x}", "", x) for x in range(7)]
-    for executor in (InProcessExecutor(), PoolExecutor(2)):
+    for executor in (InProcessExecutor(), PoolExecutor(2, "fork"), PoolExecutor(2, "spawn")):
         with TaskRunner(executor) as runner:
             outcomes = run_tasks(square, tasks, runner)
         assert [o.value for o in outcomes] == [x * x for x in range(7)]
         assert all(o.ok and o.attempts == 1 for o in outcomes)
+
+
+def test_pool_forks_its_workers_only_while_this_process_runs_one_thread(monkeypatch):
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    assert fork_is_safe() == (threading.active_count() == 1)  # earlier tests may have left threads
+    monkeypatch.setitem(sys.modules, "jax", sys)  # JAX's runtime threads make a fork unsafe
+    assert not fork_is_safe()
+    monkeypatch.delitem(sys.modules, "jax")
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert not fork_is_safe()
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_a_forked_worker_stops_when_the_planner_closes_its_pipe():
+    # Each forked worker closes its copies of the parent's pipe ends (its own and its elder
+    # siblings'); a copy left open would keep it waiting for a task after the parent is gone.
+    executor = PoolExecutor(2, "fork")
+    elder, younger = executor._pool
+    try:
+        elder.conn.close()  # the younger worker, still running, holds no copy of it
+        elder.process.join(timeout=10)
+        assert elder.process.exitcode == 0 and younger.process.is_alive()
+    finally:
+        for worker in executor._pool:
+            worker.process.kill()
+            worker.process.join()
+        executor._pool.clear()
 
 
 def test_a_task_failing_every_time_is_named_and_the_others_finish():

@@ -13,7 +13,7 @@ from meshplan.cluster import Cluster, get_device
 from meshplan.models.transformer import PRESETS, load_hf_config, model_config
 from meshplan.plan import Plan
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
-from meshplan.simulator.planner import auto_view_tasks, microbatch_candidates
+from meshplan.simulator.planner import auto_view_tasks, dispatch_order, microbatch_candidates
 from meshplan.simulator.pricing import planner_views
 
 SMALL = PRESETS["gpt3-125m"].replace(layers=4)
@@ -228,3 +228,20 @@ def test_three_axis_views_let_a_small_micro_batch_use_every_node():
     assert not [view for submesh, view in two if submesh[0] > 2]
     assert [view for submesh, view in three if submesh == (4, 8)] == [(2, 2, 8), (2, 4, 4), (2, 8, 2)]
     assert set(two) < set(three)
+
+
+def test_pricing_tasks_go_out_size_by_size_costliest_view_first():
+    """The workers get every task once, micro-batch sizes in the planner's order (each size's
+    stage DP starts when its views are in), and within a size the views splitting both axes
+    before one-axis views, larger meshes first (the seed job's tasks: 37)."""
+    job = TrainingJob(PRESETS["llama2-13b"], global_batch=1000, seq_len=4096)
+    cluster = job.on(Cluster(50, 4, get_device("v100-32gb")))
+    tasks = [t for b in (8, 25, 100) for t in auto_view_tasks(job, cluster, b, PlannerOptions())]
+    sent = dispatch_order(tasks)
+    assert {t.key for t in sent} == {t.key for t in tasks} and len(sent) == len(tasks) == 37
+    sizes = [t.key.microbatch_size for t in sent]
+    assert sizes == sorted(sizes)
+    shapes = [planner_views(cluster, t.key.submesh)[t.key.view_index].shape for t in sent if t.key.microbatch_size == 8]
+    assert shapes[0] == (8, 4) and shapes[-1] == (1, 1)
+    split = [min(shape) > 1 for shape in shapes]
+    assert split == sorted(split, reverse=True)  # two-axis views, then one-axis views

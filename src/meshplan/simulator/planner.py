@@ -8,6 +8,7 @@ of every sub-mesh shape, and the inter-op pass (meshplan.inter) cuts the layers 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,10 +159,10 @@ def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, 
         start = time.perf_counter()
         for b in sizes:
             dps.start_if_priced(b)
-        results = price_tasks(tasks, runner, progress, "pricing sub-meshes, micro-batches "
+        results = price_tasks(dispatch_order(tasks), runner, progress, "pricing sub-meshes, micro-batches "
                               + ", ".join(map(str, sizes)), dps.priced_one)
         stats.timed("intra-op ILPs", start)
-        priced.update(results)
+        priced.update((t.key, results[t.key]) for t in tasks)  # in task order: the DPs and baselines read it so
         best = None
         for b in sizes:
             inter, seconds = dps.running[b].result()
@@ -171,6 +172,25 @@ def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, 
     if best is None:
         raise InfeasiblePlanError(no_fit_message_without_layouts(job, cluster, options))
     return best
+
+
+def dispatch_order(tasks: list[PricingTask]) -> list[PricingTask]:
+    """The order tasks are handed to the workers: micro-batch sizes in turn (each size's stage
+    DP starts once its views are priced), and within a size the costliest first, so that no
+    worker is left with a long task while the other idles at the end. A task's cost is
+    estimated by its view: views that split both axes price many more strategies than a
+    one-axis view, and more devices mean more ways to split each op."""
+    first_seen = {b: i for i, b in reversed(list(enumerate(t.key.microbatch_size for t in tasks)))}
+    shapes = {}
+    for t in tasks:
+        if t.key.submesh not in shapes:
+            shapes[t.key.submesh] = [v.shape for v in planner_views(t.cluster, t.key.submesh, t.options.mesh_axes)]
+
+    def order(task: PricingTask) -> tuple[int, int, int]:
+        shape = shapes[task.key.submesh][task.key.view_index]
+        return first_seen[task.key.microbatch_size], -sum(n > 1 for n in shape), -math.prod(shape)
+
+    return sorted(tasks, key=order)
 
 
 def image_microbatch_candidates(global_batch: int, devices: int, limit: int) -> tuple[int, ...]:
