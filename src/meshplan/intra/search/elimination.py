@@ -24,9 +24,12 @@ Factor = tuple[tuple[int, ...], np.ndarray]  # (nodes, table with one axis per n
 
 def least_cost(block: Block, max_work: int) -> float | None:
     """min over assignments of `block.cost_of` (memory rows ignored), offset included; None
-    when the tables to build hold more than `max_work` entries in all. Forbidden pairs (inf)
-    stay inf: a block that admits nothing gives inf."""
+    when the tables to build hold more than `max_work` entries in all (found before building
+    any). Forbidden pairs (inf) stay inf: a block that admits nothing gives inf."""
     sizes = block.sizes.tolist()
+    order = elimination_order(sizes, block.edges.tolist(), max_work)
+    if order is None:
+        return None
     factors: dict[int, Factor] = {}
     holding: list[set[int]] = [set() for _ in sizes]  # per node, the factors that hold it
     neighbours: list[set[int]] = [set() for _ in sizes]
@@ -43,25 +46,42 @@ def least_cost(block: Block, max_work: int) -> float | None:
         add((v,), block.costs.row(v))
     for (u, v), matrix in zip(block.edges.tolist(), block.matrices, strict=True):
         add((u, v), matrix)
-    score = {v: _table_size(v, neighbours[v], sizes) for v in range(len(sizes))}
-    constant, work = float(block.offset), 0
-    while score:
-        v = min(score, key=lambda x: (score[x], x))
-        work += score.pop(v)
-        if work > max_work:
-            return None
+    constant = float(block.offset)
+    for v in order:
         scope = tuple(sorted(neighbours[v]))
         table = _joined((*scope, v), [factors.pop(k) for k in sorted(holding[v])], sizes).min(axis=-1)
         for u in scope:
             holding[u] -= holding[v]
             neighbours[u].discard(v)
-        if not scope:
+        if scope:
+            add(scope, table)
+        else:
             constant += float(table)
-            continue
-        add(scope, table)
-        for u in scope:
-            score[u] = _table_size(u, neighbours[u], sizes)
     return constant
+
+
+def elimination_order(sizes: list[int], edges: list[list[int]], max_work: int) -> list[int] | None:
+    """Nodes in the order eliminated: each time the one whose table (it and its neighbours,
+    fill-in included) is smallest; None when the tables would hold more than `max_work` entries."""
+    neighbours: list[set[int]] = [set() for _ in sizes]
+    for u, v in edges:
+        if u != v:
+            neighbours[u].add(v)
+            neighbours[v].add(u)
+    score = {v: _table_size(v, neighbours[v], sizes) for v in range(len(sizes))}
+    order, work = [], 0
+    while score:
+        v = min(score, key=lambda x: (score[x], x))
+        work += score.pop(v)
+        if work > max_work:
+            return None
+        order.append(v)
+        for u in neighbours[v]:
+            neighbours[u].discard(v)
+            neighbours[u].update(w for w in neighbours[v] if w != u)
+        for u in neighbours[v]:
+            score[u] = _table_size(u, neighbours[u], sizes)
+    return order
 
 
 def _table_size(v: int, neighbours: set[int], sizes: list[int]) -> int:
