@@ -16,7 +16,6 @@ from meshplan.intra.problem.memory import MemoryRows
 from meshplan.intra.search import problem_solver
 from meshplan.intra.search.elimination import least_cost
 from meshplan.intra.search.mip import Block, edge_part, edge_part_size
-
 from test_problem_solver import random_iopddl
 
 

@@ -353,7 +353,9 @@ def _least_cost(setting: _Setting, block: Block) -> float | None:
 def _is_optimal(block: Block, start: np.ndarray | None, least: float | None) -> bool:
     """Whether no plan beats `start` by more than rounding (half the slack is left for the
     elimination's own sums, in another order: about 1e-14 relative)."""
-    return start is not None and least is not None and block.cost_of(start) <= least + 0.5 * rounding_slack(least)
+    if start is None or least is None or not np.isfinite(least):
+        return False
+    return block.cost_of(start) <= least + 0.5 * rounding_slack(least)
 
 
 def _settled(block: Block, start: np.ndarray) -> LazyOutcome:
