@@ -6,7 +6,7 @@ more than a given number of table entries.
 A model's pieces reduce (after presolve) to few nodes with a small treewidth: a LLaMA piece's
 embedding or head is 3 to 11 nodes whose elimination builds at most 22,000 entries (well under
 a millisecond, where one HiGHS run costs about 10 ms of setup), a LLaMA block 47 nodes and 88
-edges, 0.3-4 million entries (10-40 ms; HiGHS: 60-200 ms on its MIP).
+edges, 0.8-4 million entries (10-40 ms; HiGHS: 60-200 ms on its MIP).
 Summing the tables that hold a node and taking the minimum over its strategies removes it
 exactly (min-sum bucket elimination); the order is greedy, the node whose table would be
 smallest first. `problem_solver` uses the value to see that its start is already optimal.

@@ -60,7 +60,7 @@ SEED_MOST_SHARE = 0.3  # zero prices the candidates' best plan cost 5.6 times th
 CANDIDATES_SHARE = 0.6  # of the time left, at most for the MIP over the prices' candidate strategies
 ELIMINATION_WORK = 5_000_000  # table entries: blocks without memory rows this small are solved
 # exactly before any MIP (a LLaMA piece's embedding or head: at most 22,000, well under a
-# millisecond; a block: 0.3-4 million, 10-40 ms, where HiGHS takes 60-200 ms on its MIP)
+# millisecond; a block: 0.8-4 million, 10-40 ms, where HiGHS takes 60-200 ms on its MIP)
 
 
 @dataclass(frozen=True, slots=True)
