@@ -179,6 +179,17 @@ def edge_part(block: Block) -> EdgePart:
     return EdgePart(np.concatenate(cost), (r, c, val), tuple(edge_vars), s_ptr, n_rows)
 
 
+def edge_part_size(block: Block) -> tuple[int, int]:
+    """(columns, rows) of `edge_part(block)`, without building its entries."""
+    cols, rows = int(block.sizes.sum()), len(block.sizes)
+    for matrix in block.matrices:
+        peeled = _peel(matrix)
+        if peeled.residual is not None:
+            cols += int(np.isfinite(peeled.residual).sum())
+            rows += len(peeled.row_members) + len(peeled.col_members)
+    return cols, rows
+
+
 def build_mip(block: Block, edges: EdgePart | None = None) -> MipModel:
     """Assemble the block's MIP (see the module docstring); `edges`: the block's `edge_part`,
     when already built for the same nodes and edges."""

@@ -35,11 +35,12 @@ from meshplan.intra.problem.arrays import FORBIDDEN, Ragged, StrategyProblem, ro
 from meshplan.intra.problem.memory import MemoryRows, TermIndex, memory_rows, term_index
 from meshplan.intra.problem.presolve import Infeasible, Presolved, presolve
 from meshplan.intra.search.candidates import candidates_first
+from meshplan.intra.search.elimination import least_cost
 from meshplan.intra.search.lagrange import MemoryPricing
-from meshplan.intra.search.lazy_rows import Hooks, NoHooks, solve_lazy
+from meshplan.intra.search.lazy_rows import Hooks, LazyOutcome, NoHooks, solve_lazy
 from meshplan.intra.search.lns import run_lns
 from meshplan.intra.search.local_search import Incumbent, improve_feasible, least_memory_choice
-from meshplan.intra.search.mip import Block, MipModel, build_mip
+from meshplan.intra.search.mip import Block, MipModel, build_mip, edge_part_size
 from meshplan.intra.search.pairwise import PairwiseIndex, icm_sweep, pairwise_index, segment_argmin
 from meshplan.intra.search.portfolio import Channel, ChannelHooks, Child, can_fork
 from meshplan.intra.solvers import SolveStatus
@@ -58,6 +59,9 @@ SEED_MIN_ROUNDS = 4  # ... but at least this many (the candidates' scores need t
 SEED_MOST_SHARE = 0.3  # zero prices the candidates' best plan cost 5.6 times the best known,
 # after 4 rounds the best known) unless they take more than this share
 CANDIDATES_SHARE = 0.6  # of the time left, at most for the MIP over the prices' candidate strategies
+ELIMINATION_WORK = 5_000_000  # table entries: blocks without memory rows this small are solved
+# exactly before any MIP (a LLaMA piece's embedding or head: at most 22,000, well under a
+# millisecond; a block: 0.8-4 million, 10-40 ms, where HiGHS takes 60-200 ms on its MIP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,9 +335,16 @@ def _one_worker(setting: _Setting, pricing: MemoryPricing, best: _Best, small: b
             return _Found(pricing.bound, optimal=optimal)
     if small:
         rows = pricing.binding_rows()
-        start = _candidates_first(setting, pricing, best.choice, deadline, NoHooks(), rows)
-        out = solve_lazy(_block(setting), start, deadline, hints=(_cheap_plan(setting), pricing.x),
-                         mip_gap=setting.options.mip_gap, rows=rows)
+        block = _block(setting)
+        least = _least_cost(setting, block)
+        start = best.choice
+        if not _is_optimal(block, start, least):  # else the candidates' MIP would pass it on unbeaten
+            start = _candidates_first(setting, pricing, start, deadline, NoHooks(), rows)
+        if _is_optimal(block, start, least) and time.perf_counter() < deadline - 0.05:
+            out = _settled(block, start)
+        else:
+            out = solve_lazy(block, start, deadline, hints=(_cheap_plan(setting), pricing.x),
+                             mip_gap=setting.options.mip_gap, rows=rows)
         best.offer(out.choice, out.cost, "mip")
         stats.update(mip_rows=out.constraints, lazy_runs=out.runs, lazy_rows=out.rows)
         return _Found(max(pricing.bound, out.bound), out.optimal and out.cost <= best.cost + rounding_slack(best.cost),
@@ -390,6 +401,29 @@ def _solve_fixed(setting: _Setting, fixed: StrategyProblem, best: _Best, deadlin
     stats.update(fixed_columns=out.columns, fixed_s=time.perf_counter() - began)
     return out.optimal and out.choice is not None and \
         best.cost <= out.cost + pre.offset + rounding_slack(best.cost)
+
+
+def _least_cost(setting: _Setting, block: Block) -> float | None:
+    """The block's optimal cost by variable elimination, when it has no memory rows and its
+    elimination is small enough (ELIMINATION_WORK); else None."""
+    return None if len(setting.rows) else least_cost(block, ELIMINATION_WORK)
+
+
+def _is_optimal(block: Block, start: np.ndarray | None, least: float | None) -> bool:
+    """Whether no plan beats `start` by more than rounding (half the slack is left for the
+    elimination's own sums, in another order: about 1e-14 relative)."""
+    if start is None or least is None or not np.isfinite(least):
+        return False
+    return block.cost_of(start) <= least + 0.5 * rounding_slack(least)
+
+
+def _settled(block: Block, start: np.ndarray) -> LazyOutcome:
+    """What `solve_lazy` returns for a start no plan beats (`_is_optimal`) on a block without
+    memory rows: the start itself, optimal (it takes only plans better than its best by more
+    than rounding, and the MIP's optimum is that of a plan), and the size of its MIP."""
+    cost = block.cost_of(start)
+    columns, constraints = edge_part_size(block)
+    return LazyOutcome(start, cost, cost, True, False, 0, 0, columns, constraints)
 
 
 def _portfolio(setting: _Setting, pricing: MemoryPricing, best: _Best, small: bool, stats: dict[str, Any],
