@@ -2,7 +2,8 @@
 finds. For each job: plan on 2-D views (one worker), then refine with the same priced views (so
 only the refinement is timed: pricing the 3-D views of the 2-D plan's stages' sub-meshes at its
 micro-batch size and the stage DP again); record both plans, the added tasks and CPU seconds
-(this process and the solver's forked children), against the tasks pricing every 3-D view
+(this process and the solver's forked children; the refining run also repeats the 2-D
+stage DPs, `refine_phases_s` splits it), against the tasks pricing every 3-D view
 (mesh_axes=3) would add. `--count-only` prices nothing: it counts each job's tasks by sub-mesh
 shape (the refinement's are those of the shapes a 2-D plan uses, at one micro-batch size).
 Writes benchmarks/results/refine.json.
@@ -78,15 +79,14 @@ def _case(*spec) -> dict:
     two = plan_training(job, cluster, PlannerOptions(workers=1), None, PlannerStats(), priced, None)
     two_s, two_cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     added = refinement_tasks(job, cluster, two, PlannerOptions(mesh_axes="refine"))
-    start, cpu = time.perf_counter(), _cpu_seconds()
-    refined = plan_training(job, cluster, PlannerOptions(workers=1, mesh_axes="refine"), None, PlannerStats(),
-                            priced, None)
+    start, cpu, stats = time.perf_counter(), _cpu_seconds(), PlannerStats()
+    refined = plan_training(job, cluster, PlannerOptions(workers=1, mesh_axes="refine"), None, stats, priced, None)
     refine_s, refine_cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     counts = _counts(*spec)
     case = {**counts, "tasks_2d_priced": len(priced) - len(added),
             "refine_added_tasks": len(added), "planner_2d_s": two_s, "planner_2d_cpu_s": two_cpu,
             "refine_added_s": refine_s, "refine_added_cpu_s": refine_cpu,
-            "refine_added_cpu_share": refine_cpu / two_cpu,
+            "refine_added_cpu_share": refine_cpu / two_cpu, "refine_phases_s": stats.phases,
             "plan_2d": _plan(two), "plan_refine": _plan(refined)}
     print(case, flush=True)
     return case

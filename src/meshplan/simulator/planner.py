@@ -4,6 +4,8 @@ Input: a TrainingJob, a Cluster, PlannerOptions. Output: the fastest `PipelinePl
 candidate micro-batch sizes, found as in Alpa §5: for every candidate micro-batch size the
 pricer (meshplan.simulator.pricing) plans each block, the embedding and the head on every view
 of every sub-mesh shape, and the inter-op pass (meshplan.inter) cuts the layers into stages.
+With `mesh_axes="refine"` the best plan is refined: the 3-D views of its stages' sub-meshes are
+priced at its micro-batch size and its stage DP runs again with them (`refined`).
 """
 
 from __future__ import annotations
