@@ -158,5 +158,7 @@ def test_three_axis_views():
     assert [v.shape for v in planner_views(cluster, (2, 8))] == planned[:4]  # 2-D indices unchanged
     with pytest.raises(MeshError, match="use 2"):
         cluster.logical_views((2, 8), max_axes=4)
-    with pytest.raises(OptionsError, match="--mesh-axes 2 or 3"):
-        PlannerOptions(mesh_axes=4)
+    for bad in (4, "refined", True):
+        with pytest.raises(OptionsError, match="--mesh-axes 2, 3 or refine"):
+            PlannerOptions(mesh_axes=bad)
+    assert [PlannerOptions(mesh_axes=a).view_axes for a in (2, 3, "refine")] == [2, 3, 2]

@@ -13,7 +13,13 @@ from meshplan.cluster import Cluster, get_device
 from meshplan.models.transformer import PRESETS, load_hf_config, model_config
 from meshplan.plan import Plan
 from meshplan.simulator import PlannerOptions, TrainingJob, simulate
-from meshplan.simulator.planner import auto_view_tasks, dispatch_order, microbatch_candidates
+from meshplan.simulator.planner import (
+    PlannerStats,
+    auto_view_tasks,
+    dispatch_order,
+    microbatch_candidates,
+    plan_training,
+)
 from meshplan.simulator.pricing import planner_views
 
 SMALL = PRESETS["gpt3-125m"].replace(layers=4)
@@ -125,6 +131,7 @@ def run(*args):
     (("--model", "llama2-70b", "--cluster", "1x4", "--device", "v100-16gb", "--global-batch", "4",
       "--seq-len", "256", "--microbatch-sizes", "1", "--no-baselines"), "does not fit"),
     (("--layout", "tp=8,pq=2"), "'pq=2' is not KEY=VALUE"),
+    (("--mesh-axes", "4"), "write --mesh-axes 2, 3 or refine"),
     (("--layout", "tp=8,pp=8,dp=16"), "needs 1024 devices"),
     (("--layout", "tp=3"), "tp=3 does not divide"),
     (("--layout", "tp=4,pp=2,dp=25", "--efficiency-file", "/nonexistent/eff.json"), "does not exist"),
@@ -245,3 +252,30 @@ def test_pricing_tasks_go_out_size_by_size_costliest_view_first():
     assert shapes[0] == (8, 4) and shapes[-1] == (1, 1)
     split = [min(shape) > 1 for shape in shapes]
     assert split == sorted(split, reverse=True)  # two-axis views, then one-axis views
+
+
+def test_refine_prices_the_3d_views_of_the_plans_stages_only():
+    """mesh_axes="refine": after the 2-D plan (one (2, 4) stage: at micro-batch 2 the other
+    2-D views of the 8 devices split the batch 4 or 8 ways), it prices the 3-D views of that
+    sub-mesh alone, (2, 2, 2), and the stage DP moves the stage there (sequence and tensor
+    splits on the other axes): never slower than the 2-D plan, never faster than pricing every
+    3-D view. The three runs share priced views, so (2, 2, 2) is planned once."""
+    job = TrainingJob(SMALL, global_batch=2, seq_len=4096)
+    cluster = Cluster(2, 4, get_device("a100-40gb"))
+    priced = {}
+
+    def plan(axes):
+        options = PlannerOptions(workers=1, microbatch_sizes=(2,), mesh_axes=axes)
+        return plan_training(job, cluster, options, None, PlannerStats(), priced, None)
+
+    two = plan(2)
+    before = set(priced)
+    refined = plan("refine")
+    added = set(priced) - before
+    shapes = {s.submesh for s in two.stages if s.submesh[0] * s.submesh[1] >= 8}
+    assert added and {k.submesh for k in added} <= shapes and {k.microbatch_size for k in added} == {2}
+    assert all(len(planner_views(cluster, k.submesh, 3)[k.view_index].shape) == 3 for k in added)
+    assert refined.iteration_time < two.iteration_time
+    assert any(len(s.view) == 3 for s in refined.stages)
+    full = plan(3)
+    assert full.iteration_time <= refined.iteration_time * (1 + 1e-12)

@@ -271,8 +271,9 @@ def simulate(
     task_time_limit: Annotated[float, typer.Option(help="Seconds per task attempt (0: none; pool and Ray).")] = 0.0,
     baselines: Annotated[bool, typer.Option(help="Also price data parallel, ZeRO-2, Megatron.")] = True,
     reduce_scatter: Annotated[bool, typer.Option(help="Contractions may reduce-scatter partial sums.")] = True,
-    mesh_axes: Annotated[int, typer.Option(help="Logical view axes per stage: 2 (Alpa's views) or 3 (also "
-                                                "3-D views of stages of 8+ devices).")] = 2,
+    mesh_axes: Annotated[str, typer.Option(help="Logical views per stage: 2 (Alpa's 2-D views), 3 (also 3-D "
+                                                "views of stages of 8+ devices) or refine (2-D, then the 3-D "
+                                                "views of the 2-D plan's stages).")] = "2",
     cluster_file: Annotated[str, typer.Option(help="A cluster measured by `meshplan profile-cluster`.")] = "",
     layout: Annotated[str, typer.Option(
         help="Price this layout instead of planning: KEY=VALUE pairs separated by commas (keys and an "
@@ -303,7 +304,8 @@ def simulate(
     machines = load_cluster_file(cluster_file) if cluster_file else Cluster(nodes, per_node, spec)
     options = PlannerOptions(efficiency=efficiency, gemm_curve=gemm_curve, workers=workers,
                              microbatch_sizes=_ints(microbatch_sizes), reduce_scatter=reduce_scatter,
-                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,), mesh_axes=mesh_axes)
+                             chunks=_ints(chunks, "--chunks", "1,2,4") or (1,),
+                             mesh_axes=_mesh_axes(mesh_axes))
     model_spec = simulation_model(model)
     _check_image_options(model_spec, seq_len, layout, pricer)
     job = TrainingJob(model_spec, global_batch, seq_len or (4096 if model_spec.sample_unit == "tokens" else 1),
@@ -583,6 +585,12 @@ def _ints(text: str, option: str = "--microbatch-sizes", example: str = "4,8,16"
         return tuple(int(p) for p in text.split(","))
     except ValueError:
         raise MeshplanError(f"{option} {text!r} is not a list of integers; write e.g. {example}") from None
+
+
+def _mesh_axes(text: str) -> int | str:
+    """--mesh-axes as PlannerOptions.mesh_axes: 2, 3 or "refine" (checked there)."""
+    value = text.strip().lower()
+    return int(value) if value.isdigit() else value
 
 
 class _progress:

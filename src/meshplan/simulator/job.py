@@ -53,6 +53,10 @@ class TrainingJob:
         return self.model.training_flops(self.global_batch, self.seq_len)
 
 
+# PlannerOptions.mesh_axes: 2-D views, also all 3-D views, or 3-D views of the 2-D plan's stages.
+MESH_AXES = (2, 3, "refine")
+
+
 @dataclass(frozen=True, slots=True)
 class PlannerOptions:
     """Knobs of the planner.
@@ -86,7 +90,9 @@ class PlannerOptions:
             (InterOptions.overlap_tail).
         mesh_axes: 2 prices each sub-mesh on Alpa's 2-D views; 3 also on the 3-D views of
             sub-meshes of 8 or more devices (Cluster.logical_views), e.g. data x sequence x
-            tensor, at the price of more views to plan.
+            tensor, at the price of more views to plan; "refine" plans on 2-D views, then
+            prices the 3-D views of the sub-mesh shapes the best plan's stages use (at its
+            micro-batch size) and runs the stage DP again with them (never a slower plan).
     """
 
     efficiency: float = 0.5
@@ -103,7 +109,7 @@ class PlannerOptions:
     kernels: KernelEfficiency = DEFAULT_EFFICIENCY
     fp32_grads: bool = True
     overlap: bool = True
-    mesh_axes: int = 2
+    mesh_axes: int | str = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1 or not 0 < self.memory_fraction <= 1:
@@ -111,6 +117,13 @@ class PlannerOptions:
         if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
             raise OptionsError(f"chunks {self.chunks!r}: give model chunks per device as positive integers, "
                                "e.g. --chunks 1,2,4 (1 alone: plain 1F1B)")
-        if self.mesh_axes not in (2, 3):
-            raise OptionsError(f"mesh_axes = {self.mesh_axes!r}: the planner prices 2-D views (2) or also 3-D views "
-                               "of stages of 8 or more devices (3); write --mesh-axes 2 or 3")
+        if isinstance(self.mesh_axes, bool) or self.mesh_axes not in MESH_AXES:
+            raise OptionsError(f"mesh_axes = {self.mesh_axes!r}: the planner prices 2-D views (2), also 3-D views "
+                               "of stages of 8 or more devices (3), or 2-D views and then the 3-D views of the "
+                               "best plan's stages (refine); write --mesh-axes 2, 3 or refine")
+
+    @property
+    def view_axes(self) -> int:
+        """The most axes of the views priced with these options (Cluster.logical_views'
+        max_axes): "refine" prices its first pass, and every baseline, on 2-D views."""
+        return 3 if self.mesh_axes == 3 else 2

@@ -4,6 +4,8 @@ Input: a TrainingJob, a Cluster, PlannerOptions. Output: the fastest `PipelinePl
 candidate micro-batch sizes, found as in Alpa §5: for every candidate micro-batch size the
 pricer (meshplan.simulator.pricing) plans each block, the embedding and the head on every view
 of every sub-mesh shape, and the inter-op pass (meshplan.inter) cuts the layers into stages.
+With `mesh_axes="refine"` the best plan is refined: the 3-D views of its stages' sub-meshes are
+priced at its micro-batch size and its stage DP runs again with them (`refined`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.cluster.cluster import Cluster
+from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.kernels import WORKSPACE_BYTES
 from meshplan.distributed import TaskRunner, make_executor
 from meshplan.errors import InfeasiblePlanError, OptionsError
@@ -90,12 +93,30 @@ def auto_view_tasks(job: TrainingJob, cluster: Cluster, b: int, options: Planner
     of size b (uneven shares leave devices idle; Megatron-style data parallelism needs the same).
     A 2-D view's axis 0 is a multiple of its nodes, so its nodes take equal shares too; a 3-D
     view's may span fewer, its other axes splitting the sequence or the tensors across nodes."""
-    num_microbatches = job.global_batch // b
+    return [task for shape in cluster.submesh_shapes()
+            for task in view_tasks(job, cluster, b, shape, options, planner_views(cluster, shape, options.view_axes))]
+
+
+def view_tasks(job: TrainingJob, cluster: Cluster, b: int, shape: tuple[int, int], options: PlannerOptions,
+               views: tuple[LogicalMesh, ...], first: int = 0) -> list[PricingTask]:
+    """Tasks for `views` (view indices from `first` on) of sub-mesh `shape` whose data axis
+    splits b evenly."""
+    return [PricingTask(ViewKey("view", b, shape, index), job, cluster, job.global_batch // b, options)
+            for index, view in enumerate(views, start=first) if b % view.shape[batch_axis(view)] == 0]
+
+
+def refinement_tasks(job: TrainingJob, cluster: Cluster, plan: PipelinePlan,
+                     options: PlannerOptions) -> list[PricingTask]:
+    """The 3-D views (`mesh_axes="refine"`) of the sub-mesh shapes of 8 or more devices that the
+    plan's stages use, at the plan's micro-batch size: where a 3-D view could replace a chosen
+    2-D one for far fewer views than pricing every shape's (a 3-D view refines 2-D views of its
+    sub-mesh, so these are the views most likely to beat the plan's)."""
+    b, three = plan.microbatch_size, replace(options, mesh_axes=3)
+    shapes = sorted({s.submesh for s in plan.stages if s.submesh[0] * s.submesh[1] >= 8})
     tasks = []
-    for shape in cluster.submesh_shapes():
-        for index, view in enumerate(planner_views(cluster, shape, options.mesh_axes)):
-            if b % view.shape[batch_axis(view)] == 0:
-                tasks.append(PricingTask(ViewKey("view", b, shape, index), job, cluster, num_microbatches, options))
+    for shape in shapes:
+        first = len(planner_views(cluster, shape, 2))  # 3-D views follow the 2-D ones
+        tasks += view_tasks(job, cluster, b, shape, three, planner_views(cluster, shape, 3)[first:], first)
     return tasks
 
 
@@ -171,6 +192,8 @@ def _plan_training(job: TrainingJob, cluster: Cluster, options: PlannerOptions, 
                 best = PipelinePlan(inter, b)
     if best is None:
         raise InfeasiblePlanError(no_fit_message_without_layouts(job, cluster, options))
+    if options.mesh_axes == "refine":
+        return refined(job, cluster, options, best, progress, stats, priced, runner)
     return best
 
 
@@ -184,13 +207,33 @@ def dispatch_order(tasks: list[PricingTask]) -> list[PricingTask]:
     shapes = {}
     for t in tasks:
         if t.key.submesh not in shapes:
-            shapes[t.key.submesh] = [v.shape for v in planner_views(t.cluster, t.key.submesh, t.options.mesh_axes)]
+            shapes[t.key.submesh] = [v.shape for v in planner_views(t.cluster, t.key.submesh, t.options.view_axes)]
 
     def order(task: PricingTask) -> tuple[int, int, int]:
         shape = shapes[task.key.submesh][task.key.view_index]
         return first_seen[task.key.microbatch_size], -sum(n > 1 for n in shape), -math.prod(shape)
 
     return sorted(tasks, key=order)
+
+
+def refined(job: TrainingJob, cluster: Cluster, options: PlannerOptions, plan: PipelinePlan,
+            progress: Progress | None, stats: PlannerStats, priced: Priced, runner: TaskRunner) -> PipelinePlan:
+    """The 2-D plan, or a faster one from the stage DP at its micro-batch size over the same
+    views plus the 3-D views of its stages' sub-meshes (`refinement_tasks`). The DP is exact
+    over the views it is given, so it finds the 2-D plan again or a better one."""
+    b = plan.microbatch_size
+    tasks = [t for t in refinement_tasks(job, cluster, plan, options) if t.key not in priced]
+    if not tasks:
+        return plan
+    start = time.perf_counter()
+    priced.update(price_tasks(tasks, runner, progress, f"pricing 3-D views of the plan's sub-meshes, micro-batch {b}"))
+    stats.timed("3-D refinement ILPs", start)
+    start = time.perf_counter()
+    inter = plan_pipeline(layer_costs(job, b, priced), cluster, job.global_batch // b, inter_options(cluster, options))
+    stats.timed("3-D refinement stage DP", start)
+    if inter is None or inter.iteration_time >= plan.iteration_time:
+        return plan
+    return PipelinePlan(inter, b, plan.label)
 
 
 def image_microbatch_candidates(global_batch: int, devices: int, limit: int) -> tuple[int, ...]:

@@ -197,7 +197,7 @@ def price_view(task: PricingTask) -> ViewCosts:
     """Profile the block(s), first and last pieces of the job on one view; the first piece is
     stacked onto the first layer and the last onto the last."""
     job, cluster, key, options = task.job, task.cluster, task.key, task.options
-    mesh = planner_views(cluster, key.submesh, options.mesh_axes)[key.view_index]
+    mesh = planner_views(cluster, key.submesh, options.view_axes)[key.view_index]
     flops = cluster.device.peak_flops * options.efficiency
     pricing = piece_pricing(job, cluster, options)
     axis = batch_axis(mesh)
