@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from meshplan.cluster.cluster import Cluster
 from meshplan.cost.links import Links
 from meshplan.errors import OptionsError
@@ -27,7 +29,7 @@ from meshplan.inter.stages import (
     estimate_stage,
     handoff_in_node,
     handoff_time,
-    latency_table,
+    latency_tables,
     stage_key,
 )
 
@@ -123,22 +125,25 @@ def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
     if not shapes:
         return None
     best = None
-    for chunks in sorted(set(options.chunks)):
-        plan = _plan_with_chunks(costs, cluster, shapes, num_microbatches, options, chunks)
+    schedule = get_schedule(options.schedule)
+    per_shape = [costs.views_of(shape) for shape in shapes]
+    chunk_counts = sorted(set(options.chunks))
+    # With v chunks each stage hands off v times per micro-batch: one table per chunk count.
+    tables = latency_tables(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
+                            options.recompute, chunk_counts, options.node_local_sends, options.link_efficiency,
+                            options.overlap_tail)
+    for chunks, table in zip(chunk_counts, tables, strict=True):
+        plan = _plan_with_chunks(costs, cluster, shapes, per_shape, table, num_microbatches, options, chunks)
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best = plan
     return best
 
 
-def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]], num_microbatches: int,
+def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]],
+                      per_shape: list[tuple[ViewCosts, ...]], table: np.ndarray, num_microbatches: int,
                       options: InterOptions, chunks: int) -> InterPlan | None:
     """With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
-    objective for v B micro-batches, over stages that each hand off v times."""
-    schedule = get_schedule(options.schedule)
-    per_shape = [costs.views_of(shape) for shape in shapes]
-    table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
-                          options.recompute, chunks, options.node_local_sends, options.link_efficiency,
-                          options.overlap_tail)
+    objective for v B micro-batches, over stages that each hand off v times (`table`)."""
     sizes = [n * m for n, m in shapes]
     found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
                         chunks)

@@ -106,12 +106,8 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
     """min over t_max in `candidates` of S(t_max) + (B - 1) t_max, solving few of them (see the
     module docstring); returns the best plan and how many bounds were solved."""
     tail = num_microbatches - 1
-    top = len(candidates) - 1
-    first = table.solve(candidates[top])
-    tried = 1
-    if first is None:
-        return None
-    best = _cuts(first, num_microbatches, chunks)
+    best: StageCuts | None = None
+    tried = 0
     # Runs [lo, hi) of candidates not yet settled, with S(c) >= upper_sum on all of them.
     runs: list[tuple[float, int, int, float]] = []
 
@@ -119,10 +115,13 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
         if lo < hi:
             heapq.heappush(runs, (upper_sum + tail * candidates[lo], lo, hi, upper_sum))
 
-    push(0, _below(candidates, first, top), sum(s.latency for s in first))
+    # No solve starts the search: the first run's sums are bounded by the least sum of any cut
+    # (`least_sum`), so the slowest bounds, whose solves use every sub-mesh and device column
+    # and cost the most, are dropped by their max term alone once a plan below them is found.
+    push(0, len(candidates), table.least_sum())
     while runs:
         bound, lo, hi, upper_sum = heapq.heappop(runs)
-        if bound >= best.total:
+        if best is not None and bound >= best.total:
             break  # the heap is ordered by bound: nothing left can do better
         mid = (lo + hi) // 2 if hi - lo > 2 else hi - 1  # probe the top of short runs: it settles most
         solved = table.solve(candidates[mid])
@@ -131,11 +130,13 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
             push(mid + 1, hi, upper_sum)
             continue
         cuts = _cuts(solved, num_microbatches, chunks)
-        if cuts.total < best.total - 1e-15 * abs(cuts.total):
+        if best is None or cuts.total < best.total - 1e-15 * abs(cuts.total):
             best = cuts
         solved_sum = sum(s.latency for s in solved)
         push(lo, _below(candidates, solved, mid), solved_sum)
         push(mid + 1, hi, upper_sum)
+    if best is None:
+        return None
     return best, tried
 
 
@@ -174,6 +175,17 @@ class _BandTable:
     def candidates(self) -> np.ndarray:
         values = np.concatenate([b[1:].ravel() for b in self.bands])
         return np.unique(values[np.isfinite(values)])
+
+    def least_sum(self) -> float:
+        """A lower bound on the latency sum of any plan: the cheapest path through the layers
+        with each span at its fastest over sub-meshes and stage counts, ignoring devices."""
+        k_all = self.num_layers
+        cheapest = np.full(k_all + 1, INF)
+        cheapest[k_all] = 0.0
+        for k in range(k_all - 1, -1, -1):
+            spans = np.array([self.bands[n - 1][1:, :, k].min() for n in range(1, k_all - k + 1)])
+            cheapest[k] = (spans + cheapest[k + 1:]).min()
+        return float(cheapest[0]) if np.isfinite(cheapest[0]) else 0.0
 
     def solve(self, t_max: float) -> list[StageSlot] | None:
         """The least-sum plan whose stages all take at most t_max (None: none uses every device)."""
