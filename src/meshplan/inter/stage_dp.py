@@ -157,34 +157,36 @@ def _cuts(stages: list[StageSlot], num_microbatches: int, chunks: int = 1) -> St
 
 
 class _BandTable:
-    """The latency table by diagonal: band[n - 1][s, m, k] = latency of layers k..k+n-1 on
-    sub-mesh m as the s-th stage from the end, contiguous for the DP's inner step."""
+    """The latency table by span: spans[s, m, n - 1, k] = latency of layers k..k+n-1 on sub-mesh
+    m as the s-th stage from the end (inf past the last layer), so the DP's inner step gathers
+    the spans it relaxes of one (s, m) in one indexing."""
 
     def __init__(self, lat: np.ndarray, sizes: np.ndarray, num_devices: int) -> None:
-        self.num_layers = lat.shape[0]
+        self.num_layers = k_all = lat.shape[0]
         self.sizes = sizes
         self.num_devices = num_devices
         self.max_stages = min(lat.shape[3] - 1, self.num_layers, num_devices // int(sizes.min()))
-        k = self.num_layers
-        s_range = slice(0, self.max_stages + 1)
-        self.bands = [np.ascontiguousarray(np.diagonal(lat, offset=n - 1, axis1=0, axis2=1).transpose(1, 0, 2)[s_range])
-                      for n in range(1, k + 1)]
+        stage_counts = self.max_stages + 1
+        self.spans = np.full((stage_counts, lat.shape[2], k_all, k_all), INF)
+        for n in range(1, k_all + 1):
+            diagonal = np.diagonal(lat, offset=n - 1, axis1=0, axis2=1)  # [m, s, k]
+            self.spans[:, :, n - 1, :k_all - n + 1] = diagonal[:, :stage_counts].transpose(1, 0, 2)
         # Fastest candidate per (span, s, m): spans whose fastest exceeds t_max are skipped.
-        self.fastest = np.stack([b.min(axis=2) for b in self.bands])  # [n - 1, s, m]
+        self.fastest = self.spans.min(axis=3).transpose(2, 0, 1)  # [n - 1, s, m]
 
     def candidates(self) -> np.ndarray:
-        values = np.concatenate([b[1:].ravel() for b in self.bands])
+        values = self.spans[1:].ravel()
         return np.unique(values[np.isfinite(values)])
 
     def least_sum(self) -> float:
         """A lower bound on the latency sum of any plan: the cheapest path through the layers
         with each span at its fastest over sub-meshes and stage counts, ignoring devices."""
         k_all = self.num_layers
+        fastest = self.spans[1:].min(axis=(0, 1))  # [n - 1, k]
         cheapest = np.full(k_all + 1, INF)
         cheapest[k_all] = 0.0
         for k in range(k_all - 1, -1, -1):
-            spans = np.array([self.bands[n - 1][1:, :, k].min() for n in range(1, k_all - k + 1)])
-            cheapest[k] = (spans + cheapest[k + 1:]).min()
+            cheapest[k] = (fastest[:k_all - k, k] + cheapest[k + 1:]).min()
         return float(cheapest[0]) if np.isfinite(cheapest[0]) else 0.0
 
     def solve(self, t_max: float) -> list[StageSlot] | None:
@@ -247,13 +249,11 @@ class _BandTable:
         chunk = max(1, CHUNK_CELLS // max(1, rows * target.shape[1]))
         for start in range(0, spans.size, chunk):
             part = spans[start:start + chunk]
-            bands = np.full((part.size, rows), INF)
-            for j, n in enumerate(part):
-                band = self.bands[n - 1][s, m, k_lo:k_lo + rows]
-                bands[j, :band.size] = band
+            bands = self.spans[s, m][part - 1, k_lo:k_lo + rows]  # a copy: masked below
             bands[bands > t_max] = INF
             firsts = np.arange(k_lo, k_lo + rows)
-            sums = bands[:, :, None] + previous[firsts[None, :] + part[:, None]]
+            sums = previous[firsts[None, :] + part[:, None]]  # a copy, summed in place
+            sums += bands[:, :, None]
             np.minimum(target, sums.min(axis=0), out=target)
 
     def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float, sizes: np.ndarray,
@@ -274,7 +274,7 @@ class _BandTable:
             if size > d:
                 continue
             for n in range(1, self.num_layers - k + 1):
-                t = self.bands[n - 1][s, m, k]
+                t = self.spans[s, m, n - 1, k]
                 if t <= t_max and t + before[k + n, d - size] == target:
                     return StageSlot(k, k + n - 1, m, float(t))
         raise AssertionError("stage DP backtracking lost its path")  # pragma: no cover
