@@ -124,6 +124,8 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
         if best is not None and bound >= best.total:
             break  # the heap is ordered by bound: nothing left can do better
         mid = (lo + hi) // 2 if hi - lo > 2 else hi - 1  # probe the top of short runs: it settles most
+        if tried and hi == len(candidates):
+            mid = hi - 1  # the top run, bounded by least_sum alone, survived a first plan: its sum tightens it
         solved = table.solve(candidates[mid])
         tried += 1
         if solved is None:  # nothing fits under candidates[mid], so nothing under the smaller ones
