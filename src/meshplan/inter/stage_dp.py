@@ -14,8 +14,11 @@ S(t_max) + (B - 1) * t_max, taken over the distinct stage latencies. Rather than
 every one (Alpa's loop), a branch and bound visits them: S never grows with t_max, so on a run
 of candidates c_lo..c_hi whose upper end is solved, S(c_hi) + (B - 1) * c_lo bounds them all
 from below and the run is dropped once that bound reaches the best plan; a plan solved at c_hi
-whose slowest stage takes t* < c_hi settles every candidate in [t*, c_hi] at once. The answer
-is exactly Alpa's (tests compare it with exhaustive search).
+whose slowest stage takes t* < c_hi settles every candidate in [t*, c_hi] at once. No solve
+starts it: every sum is at least the cheapest cut of the layers with devices ignored
+(`least_sum`), so the first probe is the middle candidate, and the top candidates, whose solves
+use every sub-mesh and device column, are solved only when that bound cannot drop them. The
+answer is exactly Alpa's (tests compare it with exhaustive search).
 """
 
 from __future__ import annotations
