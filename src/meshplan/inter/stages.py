@@ -202,9 +202,9 @@ def latency_tables(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cl
             handoff = np.array([handoff_time(costs, view, k, cluster, in_node, link_efficiency)
                                 for k in range(num_layers)])
             for menu in range(view.menu_size):
-                for choice in _menu_choices(view, menu, num_microbatches, capacity, inflight, recompute_choices,
-                                            overlap_tail):
-                    choices.append((handoff, *choice[:3], cell + choice[3]))
+                for valid, before, after, fits in _menu_choices(view, menu, num_microbatches, capacity, inflight,
+                                                                recompute_choices, overlap_tail):
+                    choices.append((handoff, valid, before, after, cell + fits))
         choices_per_shape.append(choices)
     for send in sends:
         table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
@@ -219,16 +219,6 @@ def latency_tables(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cl
             suffix = np.minimum.accumulate(by_count[:, :, ::-1], axis=2)[:, :, ::-1]
             table[:, :, m, 1:] = suffix[:, :, 2:]
         yield table
-
-
-def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
-                  num_microbatches: int, capacity: float, schedule: Schedule,
-                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1,
-                  node_local: bool = False, link_efficiency: float = 1.0,
-                  overlap_tail: float | None = None) -> np.ndarray:
-    """The table of `latency_tables` for one number of hand-offs per micro-batch."""
-    return next(latency_tables(costs, per_shape, cluster, num_microbatches, capacity, schedule, recompute_choices,
-                               (sends,), node_local, link_efficiency, overlap_tail))
 
 
 def _menu_choices(view: ViewCosts, menu: int, num_microbatches: int, capacity: float, inflight: np.ndarray,
