@@ -13,15 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from meshplan.cluster.cluster import Cluster
 from meshplan.cost.links import Links
 from meshplan.errors import OptionsError
 from meshplan.inter.costs import LayerCosts, ViewCosts
 from meshplan.inter.placement import place_submeshes
 from meshplan.inter.schedules import get_schedule
-from meshplan.inter.stage_dp import plan_stages
+from meshplan.inter.stage_dp import StageCuts, plan_stages
 from meshplan.inter.stages import (
     RECOMPUTE_CHOICES,
     IterationComm,
@@ -132,23 +130,27 @@ def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
     tables = latency_tables(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
                             options.recompute, chunk_counts, options.node_local_sends, options.link_efficiency,
                             options.overlap_tail)
+    sizes = [n * m for n, m in shapes]
     for chunks, table in zip(chunk_counts, tables, strict=True):
-        plan = _plan_with_chunks(costs, cluster, shapes, per_shape, table, num_microbatches, options, chunks)
+        # With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
+        # objective for v B micro-batches.
+        found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
+                            chunks)
+        if found is None:
+            # The tables differ only in finite hand-off seconds, so which stages fit is the same
+            # for every chunk count: none has a plan either.
+            break
+        plan = _placed_plan(costs, cluster, shapes, per_shape, found, num_microbatches, options, chunks)
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best = plan
     return best
 
 
-def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]],
-                      per_shape: list[tuple[ViewCosts, ...]], table: np.ndarray, num_microbatches: int,
-                      options: InterOptions, chunks: int) -> InterPlan | None:
-    """With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
-    objective for v B micro-batches, over stages that each hand off v times (`table`)."""
-    sizes = [n * m for n, m in shapes]
-    found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
-                        chunks)
-    if found is None:
-        return None
+def _placed_plan(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]],
+                 per_shape: list[tuple[ViewCosts, ...]], found: StageCuts, num_microbatches: int,
+                 options: InterOptions, chunks: int) -> InterPlan | None:
+    """The DP's stages placed on the cluster, each with its best estimate (handing off `chunks`
+    times per micro-batch); None when their sub-meshes do not tile the cluster."""
     origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node,
                               keep_neighbours=options.node_local_sends)
     if origins is None:
