@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from meshplan.cluster import Cluster, DeviceSpec
 from meshplan.inter import InterOptions, LayerCost, LayerCosts, ViewCosts, get_schedule, plan_pipeline
-from meshplan.inter.stages import range_cost
+from meshplan.inter.stages import estimate_stage, handoff_time, latency_tables, range_cost, stage_key
 
 DEVICE = DeviceSpec("test", 1e12, 1e9, 1e9, 1e-6, 1e8, 1e-5)
 
@@ -190,3 +190,27 @@ def test_range_cost_charges_the_largest_usable_layer_and_survives_pickling():
             cost = range_cost(view, menu, 1, 2)
             assert cost["transient_bytes"] == max(e.transient_bytes for e in usable)
             assert cost["peak_activation_bytes"] == max(e.peak_activation_bytes for e in usable)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), b=st.integers(1, 6), capacity_mb=st.sampled_from([30, 60, 1e6]),
+       infeasible=st.sampled_from([0.0, 0.3]))
+def test_latency_tables_of_every_chunk_count_price_each_stage_as_estimated(seed, b, capacity_mb, infeasible):
+    """The tables of several hand-off counts share the ranges' sums and memory fits; each entry
+    is the best stage estimate (views, menus, recomputation) with that many hand-offs, or inf."""
+    cluster = Cluster(2, 2, DEVICE)
+    costs = random_costs(np.random.default_rng(seed), cluster, 4, infeasible)
+    shapes = cluster.submesh_shapes()
+    per_shape = [costs.views_of(shape) for shape in shapes]
+    schedule = get_schedule("1f1b")
+    sends = (1, 2, 4)
+    tables = list(latency_tables(costs, per_shape, cluster, b, capacity_mb * 1e6, schedule, sends=sends))
+    assert len(tables) == len(sends)
+    for send, table in zip(sends, tables, strict=True):
+        for first, last, m, left in itertools.product(range(4), range(4), range(len(shapes)), range(1, 5)):
+            found = [estimate_stage(v, first, last, left, b, capacity_mb * 1e6,
+                                    send * handoff_time(costs, v, last, cluster), schedule)
+                     for v in per_shape[m]] if first <= last else []
+            keys = [stage_key(e, b) for e in found if e is not None]
+            want = min(keys, default=math.inf)
+            assert table[first, last, m, left] == pytest.approx(want, rel=1e-12)

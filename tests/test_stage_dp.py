@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.inter.schedules import pipeline_latency, replayed_latency
-from meshplan.inter.stage_dp import brute_force_stages, plan_stages
+from meshplan.inter.stage_dp import _BandTable, _compositions, brute_force_stages, plan_stages
 
 
 @st.composite
@@ -73,6 +73,22 @@ def test_dp_equals_brute_force_on_memory_bound_tables(instance):
         assert dp.total == pytest.approx(brute.total, rel=1e-12)
         assert sum(sizes[s.submesh] for s in dp.stages) == devices
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(instances())
+def test_branch_and_bound_starts_below_every_plans_sum(instance):
+    """The search's first bound on the latency sum (no DP solved) is at most the sum of every
+    cut of the layers, whatever sub-meshes and devices it uses: equal to the cheapest one."""
+    lat, sizes, devices, _ = instance
+    table = _BandTable(lat, np.asarray(sizes), devices)
+    cuttings = [cuts for cuts in _compositions(lat.shape[0]) if len(cuts) <= table.max_stages]
+    sums = [sum(lat[a, b, :, len(cuts) - j].min() for j, (a, b) in enumerate(cuts)) for cuts in cuttings]
+    # Fastest over every stage count: the bound does not know how many stages follow.
+    fastest = [sum(lat[a, b, :, 1:table.max_stages + 1].min() for a, b in cuts) for cuts in _compositions(lat.shape[0])]
+    assert table.least_sum() <= min(sums, default=np.inf)
+    cheapest = min(fastest)
+    assert table.least_sum() == (pytest.approx(cheapest, rel=1e-12) if np.isfinite(cheapest) else 0.0)
 
 def textbook_table(layer_time=1.0, overhead=0.1):
     """4 equal layers on 1 host x 2 devices: a layer takes 1 on one device, 1/2 + 0.1 on two."""

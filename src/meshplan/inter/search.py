@@ -19,7 +19,7 @@ from meshplan.errors import OptionsError
 from meshplan.inter.costs import LayerCosts, ViewCosts
 from meshplan.inter.placement import place_submeshes
 from meshplan.inter.schedules import get_schedule
-from meshplan.inter.stage_dp import plan_stages
+from meshplan.inter.stage_dp import StageCuts, plan_stages
 from meshplan.inter.stages import (
     RECOMPUTE_CHOICES,
     IterationComm,
@@ -27,7 +27,7 @@ from meshplan.inter.stages import (
     estimate_stage,
     handoff_in_node,
     handoff_time,
-    latency_table,
+    latency_tables,
     stage_key,
 )
 
@@ -123,27 +123,34 @@ def plan_pipeline(costs: LayerCosts, cluster: Cluster, num_microbatches: int,
     if not shapes:
         return None
     best = None
-    for chunks in sorted(set(options.chunks)):
-        plan = _plan_with_chunks(costs, cluster, shapes, num_microbatches, options, chunks)
+    schedule = get_schedule(options.schedule)
+    per_shape = [costs.views_of(shape) for shape in shapes]
+    chunk_counts = sorted(set(options.chunks))
+    # With v chunks each stage hands off v times per micro-batch: one table per chunk count.
+    tables = latency_tables(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
+                            options.recompute, chunk_counts, options.node_local_sends, options.link_efficiency,
+                            options.overlap_tail)
+    sizes = [n * m for n, m in shapes]
+    for chunks, table in zip(chunk_counts, tables, strict=True):
+        # With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
+        # objective for v B micro-batches.
+        found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
+                            chunks)
+        if found is None:
+            # The tables differ only in finite hand-off seconds, so which stages fit is the same
+            # for every chunk count: none has a plan either.
+            break
+        plan = _placed_plan(costs, cluster, shapes, per_shape, found, num_microbatches, options, chunks)
         if plan is not None and (best is None or plan.iteration_time < best.iteration_time):
             best = plan
     return best
 
 
-def _plan_with_chunks(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]], num_microbatches: int,
-                      options: InterOptions, chunks: int) -> InterPlan | None:
-    """With v chunks per device the latency B t_max + (sum - t_max) / v is 1/v of the DP's
-    objective for v B micro-batches, over stages that each hand off v times."""
-    schedule = get_schedule(options.schedule)
-    per_shape = [costs.views_of(shape) for shape in shapes]
-    table = latency_table(costs, per_shape, cluster, num_microbatches, options.capacity_bytes, schedule,
-                          options.recompute, chunks, options.node_local_sends, options.link_efficiency,
-                          options.overlap_tail)
-    sizes = [n * m for n, m in shapes]
-    found = plan_stages(table, sizes, cluster.num_devices, chunks * num_microbatches, options.relative_bucket,
-                        chunks)
-    if found is None:
-        return None
+def _placed_plan(costs: LayerCosts, cluster: Cluster, shapes: list[tuple[int, int]],
+                 per_shape: list[tuple[ViewCosts, ...]], found: StageCuts, num_microbatches: int,
+                 options: InterOptions, chunks: int) -> InterPlan | None:
+    """The DP's stages placed on the cluster, each with its best estimate (handing off `chunks`
+    times per micro-batch); None when their sub-meshes do not tile the cluster."""
     origins = place_submeshes([shapes[s.submesh] for s in found.stages], cluster.nodes, cluster.devices_per_node,
                               keep_neighbours=options.node_local_sends)
     if origins is None:

@@ -14,8 +14,11 @@ S(t_max) + (B - 1) * t_max, taken over the distinct stage latencies. Rather than
 every one (Alpa's loop), a branch and bound visits them: S never grows with t_max, so on a run
 of candidates c_lo..c_hi whose upper end is solved, S(c_hi) + (B - 1) * c_lo bounds them all
 from below and the run is dropped once that bound reaches the best plan; a plan solved at c_hi
-whose slowest stage takes t* < c_hi settles every candidate in [t*, c_hi] at once. The answer
-is exactly Alpa's (tests compare it with exhaustive search).
+whose slowest stage takes t* < c_hi settles every candidate in [t*, c_hi] at once. No solve
+starts it: every sum is at least the cheapest cut of the layers with devices ignored
+(`least_sum`), so the first probe is the middle candidate, and the top candidates, whose solves
+use every sub-mesh and device column, are solved only when that bound cannot drop them. The
+answer is exactly Alpa's (tests compare it with exhaustive search).
 """
 
 from __future__ import annotations
@@ -106,12 +109,8 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
     """min over t_max in `candidates` of S(t_max) + (B - 1) t_max, solving few of them (see the
     module docstring); returns the best plan and how many bounds were solved."""
     tail = num_microbatches - 1
-    top = len(candidates) - 1
-    first = table.solve(candidates[top])
-    tried = 1
-    if first is None:
-        return None
-    best = _cuts(first, num_microbatches, chunks)
+    best: StageCuts | None = None
+    tried = 0
     # Runs [lo, hi) of candidates not yet settled, with S(c) >= upper_sum on all of them.
     runs: list[tuple[float, int, int, float]] = []
 
@@ -119,23 +118,30 @@ def _branch_and_bound(table: _BandTable, candidates: np.ndarray, num_microbatche
         if lo < hi:
             heapq.heappush(runs, (upper_sum + tail * candidates[lo], lo, hi, upper_sum))
 
-    push(0, _below(candidates, first, top), sum(s.latency for s in first))
+    # No solve starts the search: the first run's sums are bounded by the least sum of any cut
+    # (`least_sum`), so the slowest bounds, whose solves use every sub-mesh and device column
+    # and cost the most, are dropped by their max term alone once a plan below them is found.
+    push(0, len(candidates), table.least_sum())
     while runs:
         bound, lo, hi, upper_sum = heapq.heappop(runs)
-        if bound >= best.total:
+        if best is not None and bound >= best.total:
             break  # the heap is ordered by bound: nothing left can do better
         mid = (lo + hi) // 2 if hi - lo > 2 else hi - 1  # probe the top of short runs: it settles most
+        if tried and hi == len(candidates):
+            mid = hi - 1  # the top run, bounded by least_sum alone, survived a first plan: its sum tightens it
         solved = table.solve(candidates[mid])
         tried += 1
         if solved is None:  # nothing fits under candidates[mid], so nothing under the smaller ones
             push(mid + 1, hi, upper_sum)
             continue
         cuts = _cuts(solved, num_microbatches, chunks)
-        if cuts.total < best.total - 1e-15 * abs(cuts.total):
+        if best is None or cuts.total < best.total - 1e-15 * abs(cuts.total):
             best = cuts
         solved_sum = sum(s.latency for s in solved)
         push(lo, _below(candidates, solved, mid), solved_sum)
         push(mid + 1, hi, upper_sum)
+    if best is None:
+        return None
     return best, tried
 
 
@@ -156,24 +162,37 @@ def _cuts(stages: list[StageSlot], num_microbatches: int, chunks: int = 1) -> St
 
 
 class _BandTable:
-    """The latency table by diagonal: band[n - 1][s, m, k] = latency of layers k..k+n-1 on
-    sub-mesh m as the s-th stage from the end, contiguous for the DP's inner step."""
+    """The latency table by span: spans[s, m, n - 1, k] = latency of layers k..k+n-1 on sub-mesh
+    m as the s-th stage from the end (inf past the last layer), so the DP's inner step gathers
+    the spans it relaxes of one (s, m) in one indexing."""
 
     def __init__(self, lat: np.ndarray, sizes: np.ndarray, num_devices: int) -> None:
-        self.num_layers = lat.shape[0]
+        self.num_layers = k_all = lat.shape[0]
         self.sizes = sizes
         self.num_devices = num_devices
         self.max_stages = min(lat.shape[3] - 1, self.num_layers, num_devices // int(sizes.min()))
-        k = self.num_layers
-        s_range = slice(0, self.max_stages + 1)
-        self.bands = [np.ascontiguousarray(np.diagonal(lat, offset=n - 1, axis1=0, axis2=1).transpose(1, 0, 2)[s_range])
-                      for n in range(1, k + 1)]
+        stage_counts = self.max_stages + 1
+        self.spans = np.full((stage_counts, lat.shape[2], k_all, k_all), INF)
+        for n in range(1, k_all + 1):
+            diagonal = np.diagonal(lat, offset=n - 1, axis1=0, axis2=1)  # [m, s, k]
+            self.spans[:, :, n - 1, :k_all - n + 1] = diagonal[:, :stage_counts].transpose(1, 0, 2)
         # Fastest candidate per (span, s, m): spans whose fastest exceeds t_max are skipped.
-        self.fastest = np.stack([b.min(axis=2) for b in self.bands])  # [n - 1, s, m]
+        self.fastest = self.spans.min(axis=3).transpose(2, 0, 1)  # [n - 1, s, m]
 
     def candidates(self) -> np.ndarray:
-        values = np.concatenate([b[1:].ravel() for b in self.bands])
+        values = self.spans[1:].ravel()
         return np.unique(values[np.isfinite(values)])
+
+    def least_sum(self) -> float:
+        """A lower bound on the latency sum of any plan: the cheapest path through the layers
+        with each span at its fastest over sub-meshes and stage counts, ignoring devices."""
+        k_all = self.num_layers
+        fastest = self.spans[1:].min(axis=(0, 1))  # [n - 1, k]
+        cheapest = np.full(k_all + 1, INF)
+        cheapest[k_all] = 0.0
+        for k in range(k_all - 1, -1, -1):
+            cheapest[k] = (fastest[:k_all - k, k] + cheapest[k + 1:]).min()
+        return float(cheapest[0]) if np.isfinite(cheapest[0]) else 0.0
 
     def solve(self, t_max: float) -> list[StageSlot] | None:
         """The least-sum plan whose stages all take at most t_max (None: none uses every device)."""
@@ -235,13 +254,11 @@ class _BandTable:
         chunk = max(1, CHUNK_CELLS // max(1, rows * target.shape[1]))
         for start in range(0, spans.size, chunk):
             part = spans[start:start + chunk]
-            bands = np.full((part.size, rows), INF)
-            for j, n in enumerate(part):
-                band = self.bands[n - 1][s, m, k_lo:k_lo + rows]
-                bands[j, :band.size] = band
+            bands = self.spans[s, m][part - 1, k_lo:k_lo + rows]  # a copy: masked below
             bands[bands > t_max] = INF
             firsts = np.arange(k_lo, k_lo + rows)
-            sums = bands[:, :, None] + previous[firsts[None, :] + part[:, None]]
+            sums = previous[firsts[None, :] + part[:, None]]  # a copy, summed in place
+            sums += bands[:, :, None]
             np.minimum(target, sums.min(axis=0), out=target)
 
     def _backtrack(self, history: list[np.ndarray], num_stages: int, t_max: float, sizes: np.ndarray,
@@ -262,7 +279,7 @@ class _BandTable:
             if size > d:
                 continue
             for n in range(1, self.num_layers - k + 1):
-                t = self.bands[n - 1][s, m, k]
+                t = self.spans[s, m, n - 1, k]
                 if t <= t_max and t + before[k + n, d - size] == target:
                     return StageSlot(k, k + n - 1, m, float(t))
         raise AssertionError("stage DP backtracking lost its path")  # pragma: no cover

@@ -11,6 +11,7 @@ crosses (meshplan.cost.links).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,8 +130,13 @@ def stage_memory(cost: dict[str, float], inflight: int, recompute: str) -> float
 def stage_latency(cost: dict[str, float], recompute: str, transfer: float) -> float:
     """A micro-batch's forward and backward, the forward (full) or attention (selective) run
     again, and the hand-off."""
-    again = {"full": cost["forward_time"], "selective": cost["attention_forward_time"]}.get(recompute, 0.0)
-    return cost["time"] + again + transfer
+    return cost["time"] + _recomputed_time(cost, recompute) + transfer
+
+
+def _recomputed_time(cost: dict[str, float], recompute: str) -> float:
+    """Seconds of forward pass run again per micro-batch: all of it (full), the attention cores
+    (selective) or none."""
+    return {"full": cost["forward_time"], "selective": cost["attention_forward_time"]}.get(recompute, 0.0)
 
 
 def stage_key(estimate: StageEstimate, num_microbatches: int) -> float:
@@ -171,43 +177,56 @@ def leanest_memory(view: ViewCosts, first: int, last: int, stages_left: int, num
                for menu in range(view.menu_size) for r in RECOMPUTE_CHOICES)
 
 
-def latency_table(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
-                  num_microbatches: int, capacity: float, schedule: Schedule,
-                  recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: int = 1,
-                  node_local: bool = False, link_efficiency: float = 1.0,
-                  overlap_tail: float | None = None) -> np.ndarray:
-    """[first, last, sub-mesh, stages left] -> best stage key over views, menu entries and
-    recomputation (inf: nothing fits); `sends`: hand-offs per micro-batch at the stage's end
-    (the model chunks per device under the interleaved schedule), on the link `handoff_in_node`
-    says; the once-per-iteration communication overlapped with the backward pass when
-    `overlap_tail` is given (per tensor here; the chosen stages are priced in buckets)."""
+def latency_tables(costs: LayerCosts, per_shape: list[tuple[ViewCosts, ...]], cluster: Cluster,
+                   num_microbatches: int, capacity: float, schedule: Schedule,
+                   recompute_choices: tuple[str, ...] = RECOMPUTE_CHOICES, sends: Sequence[int] = (1,),
+                   node_local: bool = False, link_efficiency: float = 1.0,
+                   overlap_tail: float | None = None) -> Iterator[np.ndarray]:
+    """Per entry of `sends`, as the caller reaches it: [first, last, sub-mesh, stages left] ->
+    best stage key over views, menu entries and recomputation (inf: nothing fits). `sends` are
+    hand-offs per micro-batch at the stage's end (the model chunks per device under the
+    interleaved schedule), on the link `handoff_in_node` says; the once-per-iteration
+    communication is overlapped with the backward pass when `overlap_tail` is given (per tensor
+    here; the chosen stages are priced in buckets). The ranges' sums and memory fits do not
+    depend on the hand-offs, so they are worked out once for every entry."""
     num_layers = costs.num_layers
-    table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
     inflight = np.array([schedule.inflight(s, num_microbatches) for s in range(num_layers + 1)])
     grid = np.indices((num_layers, num_layers))
-    for m, views in enumerate(per_shape):
-        # by_count[k, i, c]: the best latency of a choice that fits for exactly the first c stage
-        # counts; the table at s is then the best over c > s (a suffix minimum).
-        by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
+    # Flat index of [first, last, stage count] in a table's by_count array below.
+    cell = (grid[0] * num_layers + grid[1]) * (num_layers + 2)
+    choices_per_shape = []
+    for views in per_shape:
+        choices = []
         for view in views:
             in_node = handoff_in_node(view, cluster, node_local)
-            transfer = sends * np.array([handoff_time(costs, view, k, cluster, in_node, link_efficiency)
-                                         for k in range(num_layers)])
+            handoff = np.array([handoff_time(costs, view, k, cluster, in_node, link_efficiency)
+                                for k in range(num_layers)])
             for menu in range(view.menu_size):
-                for latency, fits in _menu_choices(view, menu, transfer, num_microbatches, capacity, inflight,
-                                                   recompute_choices, overlap_tail):
-                    slot = by_count[grid[0], grid[1], fits]
-                    by_count[grid[0], grid[1], fits] = np.minimum(slot, latency)
-        suffix = np.minimum.accumulate(by_count[:, :, ::-1], axis=2)[:, :, ::-1]
-        table[:, :, m, 1:] = suffix[:, :, 2:]
-    return table
+                for valid, before, after, fits in _menu_choices(view, menu, num_microbatches, capacity, inflight,
+                                                                recompute_choices, overlap_tail):
+                    choices.append((handoff, valid, before, after, cell + fits))
+        choices_per_shape.append(choices)
+    for send in sends:
+        table = np.full((num_layers, num_layers, len(per_shape), num_layers + 1), np.inf)
+        for m, choices in enumerate(choices_per_shape):
+            # by_count[k, i, c]: the best latency of a choice that fits for exactly the first c stage
+            # counts; the table at s is then the best over c > s (a suffix minimum).
+            by_count = np.full((num_layers, num_layers, num_layers + 2), np.inf)
+            flat = by_count.reshape(-1)
+            for handoff, valid, before, after, index in choices:
+                latency = np.where(valid, before + send * handoff[None, :] + after, np.inf)
+                flat[index] = np.minimum(flat[index], latency)
+            suffix = np.minimum.accumulate(by_count[:, :, ::-1], axis=2)[:, :, ::-1]
+            table[:, :, m, 1:] = suffix[:, :, 2:]
+        yield table
 
 
-def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbatches: int, capacity: float,
-                  inflight: np.ndarray, recompute_choices: tuple[str, ...], overlap_tail: float | None):
-    """Per recomputation choice: the stage key of every range [first, last] under one menu entry
-    (inf where the range is empty or holds an unusable layer) and how many leading stage counts
-    (0, 1, ...) it fits in memory for."""
+def _menu_choices(view: ViewCosts, menu: int, num_microbatches: int, capacity: float, inflight: np.ndarray,
+                  recompute_choices: tuple[str, ...], overlap_tail: float | None):
+    """Per recomputation choice, over every range [first, last] under one menu entry: where the
+    range is usable (not empty, no unusable layer), its latency before and after the hand-off is
+    added (the stage key is before + hand-off + after, in that order, as `stage_latency` and
+    `stage_key` add them), and how many leading stage counts (0, 1, ...) it fits in memory for."""
     num_layers = len(view.layers)
     entries: list[LayerCost] = [view.entry(k, menu) for k in range(num_layers)]
     # A layer that cannot run on this view (infinite costs) rules out every range holding it;
@@ -227,10 +246,10 @@ def _menu_choices(view: ViewCosts, menu: int, transfer: np.ndarray, num_microbat
     sync = sums["sync_time"]
     if overlap_tail is not None:
         sync = np.maximum(sync - (sums["time"] - sums["forward_time"]), overlap_tail * sync)
+    after = (sync + sums["update_time"]) / num_microbatches  # see stage_key
     for recompute in recompute_choices:
-        latency = stage_latency(sums, recompute, transfer[None, :])
-        latency = latency + (sync + sums["update_time"]) / num_microbatches  # see stage_key
-        yield np.where(valid, latency, np.inf), _fitting_stage_counts(sums, inflight, recompute, capacity)
+        before = sums["time"] + _recomputed_time(sums, recompute)
+        yield valid, before, after, _fitting_stage_counts(sums, inflight, recompute, capacity)
 
 
 def _fitting_stage_counts(sums: dict, inflight: np.ndarray, recompute: str, capacity: float) -> np.ndarray:
