@@ -25,7 +25,9 @@ from meshplan.distributed import (
 from meshplan.distributed.executors import fork_is_safe
 from meshplan.errors import OptionsError
 from meshplan.models.transformer import PRESETS
-from meshplan.simulator import PlannerOptions, TrainingJob, pricing, simulate
+from meshplan.simulator import PlannerOptions, TrainingJob, pricing, simulate, to_plan
+from meshplan.simulator.planner import plan_training
+from meshplan.simulator.stage_plans import with_stage_plans
 
 SMALL = PRESETS["gpt3-125m"].replace(layers=4)
 JOB = TrainingJob(SMALL, global_batch=16, seq_len=256)
@@ -153,6 +155,21 @@ def test_unknown_executor_is_a_clear_error():
 def test_pool_plan_equals_in_process_plan(reference):
     with TaskRunner(PoolExecutor(2)) as runner:
         assert plan_json(runner) == reference
+
+
+def test_stage_plans_solved_on_the_pool_equal_those_solved_one_after_another():
+    cluster = JOB.on(CLUSTER)
+    with TaskRunner(InProcessExecutor()) as runner:
+        plan = to_plan(plan_training(JOB, cluster, OPTIONS, runner=runner), JOB, cluster)
+    serial = with_stage_plans(plan, JOB, cluster, OPTIONS)
+    with TaskRunner(PoolExecutor(2)) as runner:
+        pooled = with_stage_plans(plan, JOB, cluster, OPTIONS, runner)
+        solves = runner.attempts
+    assert all(stage.pieces for stage in serial.stages)
+    distinct = {(p.name, s.submesh, s.logical_mesh, s.memory_plan) for s in serial.stages for p in s.pieces}
+    assert solves == len(distinct)  # every distinct piece solved once, on the pool
+    assert without_timings(pooled.to_dict())["stages"] == without_timings(serial.to_dict())["stages"]
+    assert serial.metrics_under("time.") and pooled.metrics_under("time.") == serial.metrics_under("time.")
 
 
 def test_killed_pool_worker_is_replaced_and_the_plan_matches(reference):

@@ -204,11 +204,11 @@ def _fastest_exact_baseline(found: list[Baseline]) -> Baseline | None:
 
 
 def _beside_best_recipe(auto: Plan, name: str, recipe: Plan, job: TrainingJob, cluster: Cluster,
-                        options: PlannerOptions) -> Plan:
+                        options: PlannerOptions, runner: TaskRunner) -> Plan:
     """`auto` with the fastest recipe's name and time breakdown (metrics `recipe_time.*`, the
     same parts as its own `time.*`), to show side by side."""
     if not recipe.metrics_under("time."):  # a pipeline baseline: its breakdown from its stage plans
-        recipe = with_stage_plans(recipe, job, cluster, options)
+        recipe = with_stage_plans(recipe, job, cluster, options, runner)
     breakdown = tuple((f"recipe_time.{part}", seconds) for part, seconds in recipe.metrics_under("time.").items())
     return replace(auto, metrics=auto.metrics + breakdown, options=auto.options + (("best_recipe", name),))
 
@@ -310,7 +310,7 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
                        notes=(f"taken from the {taken.name} baseline ({taken.config}): "
                               f"{best.iteration_time:.4f} s from the stage DP",))
     start = time.perf_counter()
-    auto = with_stage_plans(auto, job, cluster, options)
+    auto = with_stage_plans(auto, job, cluster, options, runner)  # on the pool's idle workers
     stats.timed("stage plans", start)
     summaries = tuple(BaselineSummary(r.name, r.config, r.plan.prediction if r.plan else None, r.reason)
                       for r in results)
@@ -329,7 +329,7 @@ def _simulate(job: TrainingJob, cluster: Cluster, options: PlannerOptions, progr
     if recipes:
         start = time.perf_counter()
         name, fastest = min(recipes, key=lambda r: r[1].prediction.iteration_time_s)
-        auto = _beside_best_recipe(auto, name, fastest, job, cluster, options)
+        auto = _beside_best_recipe(auto, name, fastest, job, cluster, options, runner)
         stats.timed("stage plans", start)
     metrics = tuple((f"planner_s.{phase}", seconds) for phase, seconds in stats.phases.items())
     failed = tuple(f"pricing task {task_name(r.key)!r} failed ({r.error}); not a candidate"

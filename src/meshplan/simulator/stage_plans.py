@@ -4,8 +4,10 @@ Pricing runs in worker processes and returns only costs. Once the stages are cho
 of every stage (the first piece, each kind of block, the last piece) is planned again here, on the
 stage's logical view and with its menu entry: the same deterministic ILP the pricer solved, so
 the plans are those the costs were read from. Each distinct (piece, sub-mesh, view, menu entry)
-is solved once. The stage also gets its forward seconds and its compute / communication split,
-read off the plans the way `meshplan.inter.costs.layer_cost` reads its times.
+is solved once, as a task of the pricing's `TaskRunner` (the pool's workers are idle by then: two
+solves at a time on two workers), results read in task order. The stage also gets its forward
+seconds and its compute / communication split, read off the plans the way
+`meshplan.inter.costs.layer_cost` reads its times.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, replace
 from meshplan.cluster.cluster import Cluster
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.cost.fusion import BOUNDARY
+from meshplan.distributed import Task, TaskRunner, run_tasks
+from meshplan.errors import SolverError
 from meshplan.inter.costs import layer_cost, resharding_seconds
 from meshplan.inter.schedules import RUNNABLE_SCHEDULES, replayed_latency
 from meshplan.intra.plan import IntraPlan
@@ -61,11 +65,18 @@ def piece_times(piece: PieceGraph, plan: IntraPlan) -> PieceTimes:
     return PieceTimes(*times)
 
 
-def with_stage_plans(plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions) -> Plan:
+def with_stage_plans(plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions,
+                     runner: TaskRunner | None = None) -> Plan:
     """`plan` with every stage's pieces, forward seconds and compute / communication split, and
-    its time breakdown (metrics `time.*`, the parts the closed form reports)."""
-    solved: dict[tuple, PlannedPiece] = {}
-    split = [_stage(stage, plan, job, cluster, options, solved) for stage in plan.stages]
+    its time breakdown (metrics `time.*`, the parts the closed form reports). `runner` solves
+    the pieces (in this process when None)."""
+    runs = [_piece_runs(stage, plan, job) for stage in plan.stages]
+    solves = list(dict.fromkeys(solve for stage_runs in runs for solve, _, _ in stage_runs))
+    solved = dict(zip(solves, _solve_pieces(solves, plan.microbatch_size, job, cluster, options, runner),
+                      strict=True))
+    overhead = layer_overhead(options)
+    split = [with_pieces(stage, [(solved[solve], first, last) for solve, first, last in stage_runs], overhead)
+             for stage, stage_runs in zip(plan.stages, runs, strict=True)]
     timed = replayed(replace(plan, stages=tuple(stage for stage, _ in split)))
     breakdown = time_breakdown(timed, [again for _, again in split])
     return replace(timed, metrics=timed.metrics + tuple((f"time.{n}", v) for n, v in breakdown))
@@ -112,30 +123,82 @@ def _times(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-def _stage(stage: Stage, plan: Plan, job: TrainingJob, cluster: Cluster, options: PlannerOptions,
-           solved: dict[tuple, PlannedPiece]) -> tuple[Stage, float]:
-    """The stage with its pieces and times, and its recomputation seconds per micro-batch."""
-    mesh = _mesh(cluster, stage)
+@dataclass(frozen=True, slots=True)
+class PieceSolve:
+    """One piece to plan: `part` is ("first",), ("last",) or ("block", layer kind); on the
+    sub-mesh's view of shape `mesh_shape`, with menu entry `menu` (0: the fastest)."""
+
+    name: str
+    part: tuple
+    submesh: tuple[int, int]
+    mesh_shape: tuple[int, ...]
+    menu: int
+    num_microbatches: int
+
+
+@dataclass(frozen=True, slots=True)
+class PieceSolveTask:
+    """A `PieceSolve` with what solving it needs, for a worker process."""
+
+    solve: PieceSolve
+    microbatch_size: int
+    job: TrainingJob
+    cluster: Cluster
+    options: PlannerOptions
+
+
+def _piece_runs(stage: Stage, plan: Plan, job: TrainingJob) -> list[tuple[PieceSolve, int, int]]:
+    """The stage's pieces in layer order, each with its first and last layer."""
     menu = 0 if stage.memory_plan == "fastest" else int(stage.memory_plan.removeprefix("lean-"))
-    model = job.model
-    blocks, first_piece, last_piece = piece_graphs(model, plan.microbatch_size, job.seq_len, job.dtype,
-                                                   job.optimizer)
-    ranges = [(model.first_piece, first_piece, 0, 0)] if stage.first_layer == 0 else []
-    ranges += block_runs(job, blocks, stage.first_layer, stage.last_layer)
+    model, m = job.model, plan.num_microbatches
+    blocks, _, _ = piece_graphs(model, plan.microbatch_size, job.seq_len, job.dtype, job.optimizer)
+
+    def solve(name: str, part: tuple) -> PieceSolve:
+        return PieceSolve(name, part, stage.submesh, stage.logical_mesh, menu, m)
+
+    runs = [(solve(model.first_piece, ("first",)), 0, 0)] if stage.first_layer == 0 else []
+    runs += [(solve(name, ("block", model.layer_kind(first))), first, last)
+             for name, _, first, last in block_runs(job, blocks, stage.first_layer, stage.last_layer)]
     if stage.last_layer == model.layers - 1:
-        ranges.append((model.last_piece, last_piece, stage.last_layer, stage.last_layer))
-    pricing = piece_pricing(job, cluster, options)
+        runs.append((solve(model.last_piece, ("last",)), stage.last_layer, stage.last_layer))
+    return runs
+
+
+def _solve_pieces(solves: list[PieceSolve], microbatch_size: int, job: TrainingJob, cluster: Cluster,
+                  options: PlannerOptions, runner: TaskRunner | None) -> list[PlannedPiece]:
+    """Every solve's planned piece, in the order given; the solves run as `runner`'s tasks."""
+    tasks = [Task(f"{s.name} on sub-mesh {'x'.join(map(str, s.submesh))} view {s.mesh_shape} menu {s.menu}", "",
+                  PieceSolveTask(s, microbatch_size, job, cluster, options)) for s in solves]
     planned = []
-    for name, graph, first, last in ranges:
-        key = (name, stage.submesh, mesh.shape, menu)
-        if key not in solved:
-            entries = menu_plans(graph, mesh, cluster.device.peak_flops * options.efficiency, plan.num_microbatches,
-                                 LEAN_PRICES, batch_axis(mesh), options.reduce_scatter, pricing)
-            intra = entries[min(menu, len(entries) - 1)][1]
-            cost = layer_cost(graph.graph, intra, training_parts(graph, pricing), plan.num_microbatches)
-            solved[key] = PlannedPiece(name, graph, intra, cost.attention_forward_time)
-        planned.append((solved[key], first, last))
-    return with_pieces(stage, planned, layer_overhead(options))
+    for task, outcome in zip(tasks, run_tasks(solve_piece, tasks, runner, label="stage plans"), strict=True):
+        if not outcome.ok:
+            raise SolverError(f"the stage plan of {task.name} failed: {outcome.error}")
+        intra, attention_forward_s = outcome.value
+        graph = _piece_graph(task.payload)
+        planned.append(PlannedPiece(task.payload.solve.name, graph, intra, attention_forward_s))
+    return planned
+
+
+def _piece_graph(task: PieceSolveTask) -> PieceGraph:
+    job, part = task.job, task.solve.part
+    blocks, first_piece, last_piece = piece_graphs(job.model, task.microbatch_size, job.seq_len, job.dtype,
+                                                   job.optimizer)
+    if part[0] == "block":
+        return blocks[part[1]]
+    return first_piece if part[0] == "first" else last_piece
+
+
+def solve_piece(task: PieceSolveTask) -> tuple[IntraPlan, float]:
+    """A task: the piece's plan (the menu entry the stage chose, the same deterministic ILP
+    pricing solved) and its attention cores' forward seconds."""
+    solve, options, cluster = task.solve, task.options, task.cluster
+    graph, mesh = _piece_graph(task), _mesh(cluster, solve.submesh, solve.mesh_shape)
+    pricing = piece_pricing(task.job, cluster, options)
+    entries = menu_plans(graph, mesh, cluster.device.peak_flops * options.efficiency, solve.num_microbatches,
+                         LEAN_PRICES, batch_axis(mesh), options.reduce_scatter, pricing)
+    intra = entries[min(solve.menu, len(entries) - 1)][1]
+    cost = layer_cost(graph.graph, intra, training_parts(graph, pricing), solve.num_microbatches)
+    return intra, cost.attention_forward_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,5 +247,5 @@ def block_runs(job: TrainingJob, blocks: dict, first: int, last: int) -> list[tu
     return runs
 
 
-def _mesh(cluster: Cluster, stage: Stage) -> LogicalMesh:
-    return next(v for v in planner_views(cluster, stage.submesh, max_axes=3) if v.shape == stage.logical_mesh)
+def _mesh(cluster: Cluster, submesh: tuple[int, int], shape: tuple[int, ...]) -> LogicalMesh:
+    return next(v for v in planner_views(cluster, submesh, max_axes=3) if v.shape == shape)
