@@ -194,7 +194,7 @@ def test_planned_stages_train_like_one_device(program, stage_mesh):
     plan = f.get_plan()
     assert [s.logical_mesh for s in plan.stages] == [stage_mesh, stage_mesh]
     assert all(s.intra_plan.mesh.shape == stage_mesh for s in plan.stages)
-    if stage_mesh == (2, 2) and program != "remat":  # remat: a jax.checkpoint body is not pinned (docs/design.md)
+    if stage_mesh == (2, 2):
         assert_collectives_as_planned(f)
 
 
