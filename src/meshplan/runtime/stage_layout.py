@@ -176,15 +176,16 @@ def _constrained(captured: Captured, layouts: _Layouts) -> StageFn:
 
 def _pinned_replay(eqns: Any, scope: Scope, value_nodes: dict[int, int], layouts: _Layouts,
                    ) -> Callable[[dict[Any, Any], Any], dict[Any, Any]]:
-    """`run(env, inputs)`: pin the `inputs` Vars' values in `env`, then replay `eqns` (one call
-    site's, `scope`) pinning every result, with planned dots and remat bodies in place."""
+    """`run(env, inputs, cotangents)`: pin the `inputs` Vars' values in `env`, then replay `eqns`
+    (one call site's, `scope`) pinning every result, with planned dots and remat bodies in place."""
     var_nodes = {var: value_nodes[vid] for var, vid in scope.values.items() if vid in value_nodes}
     planned = layouts.planned
-    pins = {}
+    pins, holds = {}, {}
     for var, n in var_nodes.items():
         forward, backward = layouts.sharding(n, var), layouts.sharding(planned.cotangents.get(n), var)
         if forward is not None or backward is not None:
             pins[var] = _pin(forward, backward)
+        holds[var] = _pin(forward, None)
     instead = {k: dot for k, eqn in enumerate(eqns) if (dot := _planned_dot(eqn, var_nodes, layouts)) is not None}
     instead.update((k, _replayed_remat(eqns[k], inner, value_nodes, layouts)) for k, inner in scope.remats.items())
 
@@ -192,8 +193,12 @@ def _pinned_replay(eqns: Any, scope: Scope, value_nodes: dict[int, int], layouts
         where = pins.get(var)
         return value if where is None else where(value)
 
-    def run(env: dict[Any, Any], inputs: Any) -> dict[Any, Any]:
-        env.update((var, pin(var, env[var])) for var in inputs)
+    def run(env: dict[Any, Any], inputs: Any, cotangents: bool = True) -> dict[Any, Any]:
+        """`cotangents=False`: the inputs' forward layouts alone, their cotangents left free (a
+        body's input gets only part of its value's cotangent, which the caller's pin lays out
+        once summed; a plain sharding constraint would pin it to the forward layout)."""
+        env.update((var, pin(var, env[var]) if cotangents else holds.get(var, _pin(None, None))(env[var]))
+                   for var in inputs)
         return replay(eqns, env, pin, instead)
 
     return run
@@ -201,12 +206,14 @@ def _pinned_replay(eqns: Any, scope: Scope, value_nodes: dict[int, int], layouts
 
 def _replayed_remat(eqn: Any, scope: Scope, value_nodes: dict[int, int], layouts: _Layouts) -> Callable[..., Any]:
     """The remat call of `eqn` re-bound with its body replayed pinned (`_pinned_replay`), under
-    the same checkpoint policy: the recomputed forward and its backward follow the plan."""
+    the same checkpoint policy: the recomputed forward and its backward follow the plan. Its
+    inputs are pinned inside too: else XLA lays them out for their first use in the recompute
+    (a whole input sliced, then gathered again for a transposed dot)."""
     body = eqn.params["jaxpr"]
     run = _pinned_replay(body.eqns, scope, value_nodes, layouts)
 
     def replayed(*args: Any) -> list[Any]:
-        env = run(dict(zip(body.invars, args, strict=True)), ())
+        env = run(dict(zip(body.invars, args, strict=True)), body.invars, cotangents=False)
         return [read(env, v) for v in body.outvars]
 
     return jax.checkpoint(replayed, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
