@@ -194,7 +194,7 @@ def test_planned_stages_train_like_one_device(program, stage_mesh):
     plan = f.get_plan()
     assert [s.logical_mesh for s in plan.stages] == [stage_mesh, stage_mesh]
     assert all(s.intra_plan.mesh.shape == stage_mesh for s in plan.stages)
-    if stage_mesh == (2, 2) and program != "remat":  # remat: a jax.checkpoint body is not pinned (docs/design.md)
+    if stage_mesh == (2, 2):
         assert_collectives_as_planned(f)
 
 
@@ -247,6 +247,28 @@ def test_planned_stage_shards_weights_as_its_plan_says():
             assert leaf.sharding.is_equivalent_to(planned, leaf.ndim)
     checks = assert_collectives_as_planned(f)
     assert any(check.planned for check in checks)  # the column splits' all-reduces
+
+
+def remat_wide_mlp_loss(params, x, y):
+    """The wide MLP's first stage as a `jax.checkpoint` body reading its weight twice."""
+    h = mark_pipeline_boundary(jax.checkpoint(lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w))(x, params[0]["w1"]))
+    return jnp.mean((jnp.tanh(h @ params[1]["w2"]) @ params[1]["w3"] - y) ** 2)
+
+
+def test_remat_body_runs_its_plan():
+    """Inside a checkpoint body the recomputed forward and its backward keep the plan's layouts.
+    Unpinned, the body's backward ran all-reduces the plan does not have; with its values pinned
+    but not its inputs, XLA split the whole input for the recompute and gathered it again (16
+    KB); with a plain constraint on the weight, it gathered the weight's split cotangent (4 MB)."""
+    params, x, y = wide_mlp()
+    f = parallelize(remat_wide_mlp_loss, method=PipeshardParallel(2, stage_mesh_shape=(1, 4)))
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(remat_wide_mlp_loss))(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    checks = assert_collectives_as_planned(f)
+    assert checks[0].planned  # the body's planned gather of its first activation
 
 
 def test_explicit_stage_with_layer_range_and_mesh_shape():

@@ -20,6 +20,7 @@ from meshplan.capture.folding import fold_padded_window_sums
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                      "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin"})
 _BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+REMAT = frozenset({"remat", "remat2", "checkpoint"})  # jax.checkpoint: its body's values get a Scope
 # Longest while loop unrolled; longer ones stay one opaque (replicated) step.
 MAX_UNROLLED_TRIPS = 256
 
@@ -40,6 +41,20 @@ class Step:
         return self.primitive.name
 
 
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """The value ids of one call site of a jaxpr: the runtime re-binds a remat call with its body
+    replayed, and a body's Vars name values only per call site (a cached body is shared).
+
+    Attributes:
+        values: the body's Vars -> value ids at this call site.
+        remats: equation index -> the Scope of the remat call that equation makes.
+    """
+
+    values: dict[Any, int] = field(default_factory=dict)
+    remats: dict[int, Scope] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class FlatProgram:
     """A straight-line program over integer value ids.
@@ -51,6 +66,7 @@ class FlatProgram:
         constants: value id -> concrete value (jaxpr literals and closed-over constants).
         avals: value id -> abstract value.
         top_vars: top-level jaxpr Var -> value id (the only level where Vars are unique).
+        top_remats: top-level equation index -> the Scope of its remat (jax.checkpoint) call.
     """
 
     steps: list[Step] = field(default_factory=list)
@@ -59,6 +75,7 @@ class FlatProgram:
     constants: dict[int, Any] = field(default_factory=dict)
     avals: dict[int, Any] = field(default_factory=dict)
     top_vars: dict[Any, int] = field(default_factory=dict)
+    top_remats: dict[int, Scope] = field(default_factory=dict)
 
     def new_value(self, aval: Any) -> int:
         vid = len(self.avals)
@@ -73,7 +90,10 @@ def flatten(closed: jcore.ClosedJaxpr) -> FlatProgram:
     consts = [_constant(prog, v.aval, c) for v, c in zip(jaxpr.constvars, closed.consts, strict=True)]
     args = [prog.new_value(v.aval) for v in jaxpr.invars]
     prog.inputs = tuple(args)
-    prog.outputs = tuple(_emit(prog, jaxpr, consts + args, top=True))
+    top = Scope()
+    prog.outputs = tuple(_emit(prog, jaxpr, consts + args, top))
+    prog.top_vars.update(top.values)
+    prog.top_remats.update(top.remats)
     fold_padded_window_sums(prog)
     _prune(prog)
     return prog
@@ -95,8 +115,9 @@ def _constant(prog: FlatProgram, aval: Any, value: Any) -> int:
     return vid
 
 
-def _emit(prog: FlatProgram, jaxpr: jcore.Jaxpr, in_ids: Sequence[int], top: bool = False) -> list[int]:
-    """Append the steps of `jaxpr` applied to value ids `in_ids` (constvars first); return output ids."""
+def _emit(prog: FlatProgram, jaxpr: jcore.Jaxpr, in_ids: Sequence[int], scope: Scope | None = None) -> list[int]:
+    """Append the steps of `jaxpr` applied to value ids `in_ids` (constvars first); return output
+    ids. `scope`, when given, records this call site's Vars and those of the remat calls in it."""
     env: dict[Any, int] = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), in_ids, strict=True))
 
     def read(atom: Any) -> int:
@@ -104,12 +125,16 @@ def _emit(prog: FlatProgram, jaxpr: jcore.Jaxpr, in_ids: Sequence[int], top: boo
             return _constant(prog, atom.aval, atom.val)
         return env[atom]
 
-    for eqn in jaxpr.eqns:
+    for k, eqn in enumerate(jaxpr.eqns):
         ins = [read(a) for a in eqn.invars]
-        outs = _expand(prog, eqn, ins)
+        if scope is not None and eqn.primitive.name in REMAT:
+            scope.remats[k] = Scope()
+            outs = _inline(prog, eqn.params["jaxpr"], ins, scope.remats[k])
+        else:
+            outs = _expand(prog, eqn, ins)
         env.update(zip(eqn.outvars, outs, strict=True))
-    if top:
-        prog.top_vars.update((v, i) for v, i in env.items() if not isinstance(v, jcore.Literal))
+    if scope is not None:
+        scope.values.update((v, i) for v, i in env.items() if not isinstance(v, jcore.Literal))
     return [read(a) for a in jaxpr.outvars]
 
 
@@ -134,11 +159,11 @@ def _expand(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:
     return outs
 
 
-def _inline(prog: FlatProgram, body: Any, ins: list[int]) -> list[int]:
+def _inline(prog: FlatProgram, body: Any, ins: list[int], scope: Scope | None = None) -> list[int]:
     if isinstance(body, jcore.ClosedJaxpr):
         consts = [_constant(prog, v.aval, c) for v, c in zip(body.jaxpr.constvars, body.consts, strict=True)]
-        return _emit(prog, body.jaxpr, consts + ins)
-    return _emit(prog, body, ins)
+        return _emit(prog, body.jaxpr, consts + ins, scope)
+    return _emit(prog, body, ins, scope)
 
 
 def _unroll_scan(prog: FlatProgram, eqn: Any, ins: list[int]) -> list[int]:

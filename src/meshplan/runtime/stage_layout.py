@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshplan.capture import Captured, capture
 from meshplan.capture.backward import Backward, forward_only, with_backward
+from meshplan.capture.flatten import Scope
 from meshplan.cluster.mesh import LogicalMesh
 from meshplan.intra.options import IntraOptions
 from meshplan.intra.plan import IntraPlan
@@ -154,29 +155,68 @@ def _constrained(captured: Captured, layouts: _Layouts) -> StageFn:
     nothing pins them; it spread the gradients' splits into them and gathered them again
     (collectives the plan never priced). A plain sharding constraint would pin a cotangent to its
     value's forward layout (its transpose), while the plan may lay the two out differently. A
-    dot's transposes are pinned inside too (`_planned_dot`)."""
+    dot's transposes are pinned inside too (`_planned_dot`), and so are the values of a
+    `jax.checkpoint` body (`_replayed_remat`): its forward recomputed in the backward lays out as
+    the plan's forward."""
     closed = captured.jaxpr
     jaxpr = closed.jaxpr
+    program = captured.program
+    scope = Scope(program.top_vars, program.top_remats)
+    run = _pinned_replay(jaxpr.eqns, scope, captured.value_nodes, layouts)
+
+    def stage(*args: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(args)
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, flat, strict=True))
+        env = run(env, jaxpr.invars)
+        return jax.tree_util.tree_unflatten(captured.out_tree, [read(env, v) for v in jaxpr.outvars])
+
+    return stage
+
+
+def _pinned_replay(eqns: Any, scope: Scope, value_nodes: dict[int, int], layouts: _Layouts,
+                   ) -> Callable[[dict[Any, Any], Any], dict[Any, Any]]:
+    """`run(env, inputs, cotangents)`: pin the `inputs` Vars' values in `env`, then replay `eqns`
+    (one call site's, `scope`) pinning every result, with planned dots and remat bodies in place."""
+    var_nodes = {var: value_nodes[vid] for var, vid in scope.values.items() if vid in value_nodes}
     planned = layouts.planned
-    pins = {}
-    for var, n in captured.var_nodes.items():
+    pins, holds = {}, {}
+    for var, n in var_nodes.items():
         forward, backward = layouts.sharding(n, var), layouts.sharding(planned.cotangents.get(n), var)
         if forward is not None or backward is not None:
             pins[var] = _pin(forward, backward)
-    dots = {k: dot for k, eqn in enumerate(jaxpr.eqns) if (dot := _planned_dot(eqn, captured, layouts)) is not None}
+        holds[var] = _pin(forward, None)
+    instead = {k: dot for k, eqn in enumerate(eqns) if (dot := _planned_dot(eqn, var_nodes, layouts)) is not None}
+    instead.update((k, _replayed_remat(eqns[k], inner, value_nodes, layouts)) for k, inner in scope.remats.items())
 
     def pin(var: Any, value: Any) -> Any:
         where = pins.get(var)
         return value if where is None else where(value)
 
-    def stage(*args: Any) -> Any:
-        flat = jax.tree_util.tree_leaves(args)
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update((var, pin(var, value)) for var, value in zip(jaxpr.invars, flat, strict=True))
-        env = replay(jaxpr.eqns, env, pin, dots)
-        return jax.tree_util.tree_unflatten(captured.out_tree, [read(env, v) for v in jaxpr.outvars])
+    def run(env: dict[Any, Any], inputs: Any, cotangents: bool = True) -> dict[Any, Any]:
+        """`cotangents=False`: the inputs' forward layouts alone, their cotangents left free (a
+        body's input gets only part of its value's cotangent, which the caller's pin lays out
+        once summed; a plain sharding constraint would pin it to the forward layout)."""
+        env.update((var, pin(var, env[var]) if cotangents else holds.get(var, _pin(None, None))(env[var]))
+                   for var in inputs)
+        return replay(eqns, env, pin, instead)
 
-    return stage
+    return run
+
+
+def _replayed_remat(eqn: Any, scope: Scope, value_nodes: dict[int, int], layouts: _Layouts) -> Callable[..., Any]:
+    """The remat call of `eqn` re-bound with its body replayed pinned (`_pinned_replay`), under
+    the same checkpoint policy: the recomputed forward and its backward follow the plan. Its
+    inputs are pinned inside too: else XLA lays them out for their first use in the recompute
+    (a whole input sliced, then gathered again for a transposed dot)."""
+    body = eqn.params["jaxpr"]
+    run = _pinned_replay(body.eqns, scope, value_nodes, layouts)
+
+    def replayed(*args: Any) -> list[Any]:
+        env = run(dict(zip(body.invars, args, strict=True)), body.invars, cotangents=False)
+        return [read(env, v) for v in body.outvars]
+
+    return jax.checkpoint(replayed, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
 
 
 @dataclass(frozen=True)
@@ -216,18 +256,18 @@ class _Layouts:
         return tuple(NamedSharding(self.mesh, partition_spec(s)) for s in steps)
 
 
-def _planned_dot(eqn: Any, captured: Captured, layouts: _Layouts) -> Callable[..., Any] | None:
+def _planned_dot(eqn: Any, var_nodes: dict[Any, int], layouts: _Layouts) -> Callable[..., Any] | None:
     """A float `dot_general` whose VJP makes each operand's cotangent as its contribution in the
     plan: the other operand and the output's cotangent converted step by step to the layouts the
     plan's backward dot reads them in, the result pinned to the contribution's layout (so XLA's
     partitioner does not pick its own algorithm for the transposed dot); None when the plan has
     no such dot for it. An operand the plan sends no cotangent gets zeros (nothing reads it)."""
     planned = layouts.planned
-    node = captured.var_nodes.get(eqn.outvars[0])
+    node = var_nodes.get(eqn.outvars[0])
     if eqn.primitive.name != "dot_general" or node is None or node not in planned.cotangents or not all(
             jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars):
         return None
-    operands = [captured.var_nodes.get(v) for v in eqn.invars]
+    operands = [var_nodes.get(v) for v in eqn.invars]
     recipes = []
     for i in range(2):
         recipe = _contribution_recipe(node, i, operands, eqn, layouts)
