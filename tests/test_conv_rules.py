@@ -154,6 +154,8 @@ def test_max_pooling_gradient_keeps_the_rows_split_with_its_halo_in_and_the_halo
     assert [(c.kind, c.nbytes) for c in s.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, n) for n in permutes]
     assert s.communication == pytest.approx(sum(1.0 + n for n in permutes))
     assert not any(s.output.dims[1] for s in _strategies(graph, mesh, gradient, halo_splits=False))
+    # where XLA partitions the gradient (pipeshard stages' backward), its rows are gathered
+    assert not any(s.output.dims[1] for s in _strategies(graph, mesh, gradient, runtime_exchanges=False))
 
 
 @pytest.mark.parametrize(("window", "stride", "padding", "permutes"), [
@@ -174,9 +176,11 @@ def test_average_pooling_gradient_keeps_the_rows_split_with_the_cotangents_halo(
     gradient = next(n.id for n in graph.nodes if n.kind.value == "reduce_window" and n.id > pooled)
     assert graph[gradient].attr("base_dilation")[1] == stride
     mesh = LogicalMesh((4,), (1.0,), (1.0,))
-    (s,) = [s for s in _strategies(graph, mesh, gradient) if s.output.dims[1] == (0,)]
-    assert s.operands == (s.output,)
-    assert [(c.kind, c.nbytes) for c in s.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, n) for n in permutes]
+    for config in ({}, {"runtime_exchanges": False}):  # XLA runs this exchange itself
+        (s,) = [s for s in _strategies(graph, mesh, gradient, **config) if s.output.dims[1] == (0,)]
+        assert s.operands == (s.output,)
+        assert [(c.kind, c.nbytes) for c in s.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, n)
+                                                               for n in permutes]
 
 
 def _conv_net(train: bool):
@@ -356,15 +360,13 @@ def _resnet_stem(images: int, size: int, channels: int):
     return b.build()
 
 
-def test_rows_stay_split_through_max_pooling_where_it_pays(monkeypatch):
+def test_rows_stay_split_through_max_pooling_where_it_pays():
     """ResNet's stem at 224x224 with 2 images on 8 devices: the planner splits the image's rows
     (or columns) through the stem, the max pooling and its gradient, which takes one halo row of
     the pooled input (2 images x 112 columns x 64 channels x 4 B = 57,344 B) and returns the
-    sums on it. Without halos for the pooling's gradient (as before: it gathered its windowed
-    dims; emulated by taking away the padding of its blocks) the best plan splits the stem's
-    channels and turns to rows after the pooling, at a cost at least 10 % higher."""
-    import meshplan.sharding.rules.pooling as pooling
-
+    sums on it. Without halos for the pooling's gradient (`runtime_exchanges=False`, as
+    pipeshard stages plan: their backward is XLA's, which would send other blocks) the gradient
+    gathers its windowed dims and the best plan costs at least 10 % more."""
     graph = _resnet_stem(2, 224, 64)
     mesh = LogicalMesh((8,), (1e-5,), (1e-9,))
     options = IntraOptions(cost=CostModel(flops_per_second=1e11))
@@ -375,9 +377,7 @@ def test_rows_stay_split_through_max_pooling_where_it_pays(monkeypatch):
     (pool,) = [c for c in plan.nodes if graph[c.node].kind.value == "reduce_window"]
     assert pool.output.dims[spatial] == gradient.output.dims[spatial] == (0,)
     assert [(c.kind, c.nbytes) for c in gradient.collectives] == [(CollectiveKind.COLLECTIVE_PERMUTE, 57_344)] * 2
-    halo = pooling.window_halo  # without a block padding for the runtime's exchange, the gradient gathers
-    monkeypatch.setattr(pooling, "window_halo", lambda *args: (found := halo(*args)) and (found[0], None))
-    gathered = solve_intra(graph, mesh, options)
+    gathered = solve_intra(graph, mesh, options.replace(runtime_exchanges=False))
     (old_gradient,) = [n for n in gathered.nodes if n.op == "select_and_scatter_add"]
     assert not old_gradient.output.dims[1] and not old_gradient.output.dims[2]
     assert plan.objective < 0.9 * gathered.objective, (plan.objective, gathered.objective)

@@ -135,6 +135,16 @@ def test_bad_options_are_rejected(kwargs, message):
         PipeshardParallel(**kwargs)
 
 
+def test_stages_are_planned_without_the_exchanges_only_single_programs_run():
+    """A stage's backward is JAX's, partitioned by XLA, so its plan may not count on the halo
+    exchange of max pooling's gradient that ShardParallel's runtime runs itself."""
+    from meshplan.cluster.costs import DeviceCosts
+    from meshplan.parallel import ShardParallel
+
+    assert PipeshardParallel(2).options(DeviceCosts()).rules.runtime_exchanges is False
+    assert ShardParallel().options(DeviceCosts()).rules.runtime_exchanges is True
+
+
 def test_micro_batches_must_divide_the_batch():
     params, (x, y) = stage_params(2), data()
     f = parallelize(staged_loss, method=PipeshardParallel(3))

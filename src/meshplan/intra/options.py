@@ -36,6 +36,7 @@ class IntraOptions:
         gather_choices: see RuleConfig.
         fixed_specs: see RuleConfig.fixed.
         halo_splits: see RuleConfig.
+        runtime_exchanges: see RuleConfig.
     """
 
     cost: CostModel = field(default_factory=CostModel)
@@ -53,6 +54,7 @@ class IntraOptions:
     gather_choices: bool = False
     fixed_specs: tuple[tuple[int, ShardingSpec], ...] = ()
     halo_splits: bool = True
+    runtime_exchanges: bool = True
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -66,7 +68,7 @@ class IntraOptions:
     def rules(self) -> RuleConfig:
         return RuleConfig(self.space, self.allow_replicated_parameters, self.force_batch_dim_to_mesh_dim,
                           self.contractions_use_all_axes, self.reduce_scatter, self.gather_choices, self.fixed_specs,
-                          self.halo_splits)
+                          self.halo_splits, self.runtime_exchanges)
 
     def replace(self, **changes) -> IntraOptions:
         return replace(self, **changes)

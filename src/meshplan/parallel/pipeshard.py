@@ -138,8 +138,9 @@ class PipeshardParallel:
                                                      for s in self.stages))
 
     def options(self, costs: DeviceCosts) -> IntraOptions:
-        """The ILP options stages are planned with."""
-        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second))
+        """The ILP options stages are planned with: a stage's backward is JAX's, partitioned by
+        XLA, so max pooling's gradient keeps no halo split the runtime would have to run."""
+        return IntraOptions(cost=CostModel(flops_per_second=costs.flops_per_second), runtime_exchanges=False)
 
 
 def stage_assignments(method: PipeshardParallel, num_layers: int, num_devices: int) -> tuple[StageAssignment, ...]:

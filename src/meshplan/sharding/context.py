@@ -44,6 +44,10 @@ class RuleConfig:
         halo_splits: convolutions and poolings may split a dim their window slides along
             (spatial parallelism, halo exchanges priced; sharding/rules/conv.py); False keeps
             such dims whole.
+        runtime_exchanges: max pooling's gradient may keep a windowed dim split, its halo
+            exchanged by the runtime itself (runtime/halo_pooling.py, in single-program
+            methods); False where the program's backward is JAX's own, partitioned by XLA
+            (pipeshard stages), which sends other blocks than priced: the dim is gathered.
     """
 
     space: StrategySpace = StrategySpace.FULL
@@ -54,6 +58,7 @@ class RuleConfig:
     gather_choices: bool = False
     fixed: tuple[tuple[int, ShardingSpec], ...] = ()
     halo_splits: bool = True
+    runtime_exchanges: bool = True
 
 
 @dataclass(slots=True)

@@ -63,6 +63,8 @@ def _halo_split(node: Node, spec: ShardingSpec, windowed: set[int], ctx: RuleCon
     # XLA's partitioner runs a window reduction's exchange; the runtime runs max pooling's gradient's,
     # which needs the windows of a block to cover the block and its halo
     by_runtime = node.kind is OpKind.SELECT_AND_SCATTER_ADD
+    if by_runtime and not ctx.config.runtime_exchanges:
+        return None, None
     for dim in sorted(windowed):
         axes = spec.dims[dim]
         if len(axes) != 1:
