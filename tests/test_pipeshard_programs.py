@@ -228,18 +228,25 @@ def wide_mlp(batch=8, width=1024):
     return params, jax.random.normal(k[3], (batch, width)), jax.random.normal(k[4], (batch, width))
 
 
+def _wide_mlp_like_one_device(loss_fn):
+    """`loss_fn` on the wide MLP's data under 2 pipeshard stages of (1, 4), its loss and gradients
+    checked against one device; the parallel function and its gradients."""
+    params, x, y = wide_mlp()
+    f = parallelize(loss_fn, method=PipeshardParallel(2, stage_mesh_shape=(1, 4)))
+    loss, grads = f(params, x, y)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn))(params, x, y)
+    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    return f, grads
+
+
 def test_planned_stage_shards_weights_as_its_plan_says():
     """Big weights, tiny micro-batches: the stage plans split the contractions over the weights'
     columns (Megatron-style; gradient all-reduces of 4 MB weights would cost more than
     all-reducing 4-row activations), so weight gradients come back split, in exactly the planned
     layouts, numerically equal to one device."""
-    params, x, y = wide_mlp()
-    f = parallelize(wide_mlp_loss, method=PipeshardParallel(2, stage_mesh_shape=(1, 4)))
-    loss, grads = f(params, x, y)
-    want_loss, want_grads = jax.jit(jax.value_and_grad(wide_mlp_loss))(params, x, y)
-    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
-    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    f, grads = _wide_mlp_like_one_device(wide_mlp_loss)
     for k, layout in enumerate(f.get_layouts()):
         leaves = jax.tree_util.tree_leaves(grads[k])
         assert not all(leaf.sharding.is_fully_replicated for leaf in leaves)
@@ -260,13 +267,7 @@ def test_remat_body_runs_its_plan():
     Unpinned, the body's backward ran all-reduces the plan does not have; with its values pinned
     but not its inputs, XLA split the whole input for the recompute and gathered it again (16
     KB); with a plain constraint on the weight, it gathered the weight's split cotangent (4 MB)."""
-    params, x, y = wide_mlp()
-    f = parallelize(remat_wide_mlp_loss, method=PipeshardParallel(2, stage_mesh_shape=(1, 4)))
-    loss, grads = f(params, x, y)
-    want_loss, want_grads = jax.jit(jax.value_and_grad(remat_wide_mlp_loss))(params, x, y)
-    np.testing.assert_allclose(float(loss), float(want_loss), **TOL)
-    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    f, grads = _wide_mlp_like_one_device(remat_wide_mlp_loss)
     checks = assert_collectives_as_planned(f)
     assert checks[0].planned  # the body's planned gather of its first activation
 
